@@ -47,7 +47,7 @@ class ModelSpec:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None         # None for plain RoPE; else {"rope_type": ..., "factor": ..., ...}
-    attention_bias: bool              # q/k/v projections carry a bias (always for qwen2)
+    attention_bias: bool              # q/k/v carry a bias (always for qwen2); for llama o_proj too
     sliding_window: int | None        # None = full attention
     tie_word_embeddings: bool
     torch_dtype: str                  # "float32" | "bfloat16" | "float16"
