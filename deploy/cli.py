@@ -1,0 +1,123 @@
+"""The `tokenmux` command line.
+
+Each subcommand is one entry in COMMANDS: a function that receives its own argparse
+parser, adds its arguments and sets `run=<function(args) -> int>`. To add a command,
+write those two functions and add one line to COMMANDS. Heavy imports (torch, ray,
+transformers) happen inside the run functions, so `tokenmux --help` stays fast.
+
+Bad input (a CheckpointError, a ValueError) ends with one line on stderr,
+`tokenmux: error: ...`, and exit status 2; set TOKENMUX_DEBUG=1 to see the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from actors.model_spec import CheckpointError
+
+PROG = "tokenmux"
+
+
+# ---- zoo ------------------------------------------------------------------------------
+
+
+def _zoo_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="zoo_command", metavar="{build,list}", required=True)
+    build = sub.add_parser("build", help="build offline model checkpoints (skips complete ones)")
+    build.add_argument("--dir", help="zoo directory (default: $TOKENMUX_ZOO_DIR or ~/.cache/tokenmux/zoo)")
+    build.add_argument("--models", help="comma-separated names (default: all); see `tokenmux zoo list`")
+    build.set_defaults(run=_zoo_build)
+    listing = sub.add_parser("list", help="list zoo models, their sizes and whether they are built")
+    listing.add_argument("--dir", help="zoo directory (default: $TOKENMUX_ZOO_DIR or ~/.cache/tokenmux/zoo)")
+    listing.add_argument("--json", action="store_true", help="one JSON object per model")
+    listing.set_defaults(run=_zoo_list)
+
+
+def _zoo_build(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from actors import zoo
+
+    names = None  # every recipe marked default
+    if args.models is not None:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        if not names:
+            raise ValueError("--models is empty; give comma-separated names, see `tokenmux zoo list`")
+        for name in names:
+            zoo.recipe(name)  # unknown names fail before anything is built
+    total = len(names) if names is not None else sum(r.default for r in zoo.ZOO.values())
+    with tqdm(total=total, unit="model", file=sys.stderr) as bar:
+
+        def progress(name: str, index: int, total: int) -> None:
+            bar.n = index
+            bar.set_description(name)
+            bar.refresh()
+
+        paths = zoo.build_zoo(args.dir, names=names, progress=progress)
+        bar.n = total
+        bar.set_description("done")
+        bar.refresh()
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _zoo_list(args: argparse.Namespace) -> int:
+    from actors import zoo
+
+    rows = zoo.list_zoo(args.dir)
+    if args.json:
+        for name, params, arch, built, path in rows:
+            print(json.dumps({"name": name, "params": params, "architecture": arch,
+                              "built": built, "path": str(path)}))
+        return 0
+    print(f"{'NAME':<16} {'ARCHITECTURE':<20} {'PARAMS':>8}  {'BUILT':<5}  PATH")
+    for name, params, arch, built, path in rows:
+        print(f"{name:<16} {arch:<20} {_human(params):>8}  {'yes' if built else 'no':<5}  {path}")
+    return 0
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+# ---- entry point ----------------------------------------------------------------------
+
+# name -> (one-line help, function that configures the subcommand's parser)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "zoo": ("build or list the offline model zoo", _zoo_parser),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Serve many LLMs on a pool of GPUs, token by token.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, configure) in COMMANDS.items():
+        configure(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = args.run(args)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
+        if os.environ.get("TOKENMUX_DEBUG"):
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
