@@ -1,0 +1,281 @@
+"""Routing: which worker takes a new request of a model.
+
+The GlobalRouter (actors/router.py) keeps one `WorkerView` per worker, built from the
+worker's latest `stats()` plus what the router itself has dispatched since, and asks
+`RoutingPolicy.pick`. The rule, enforced in `pick`:
+
+  1. Candidates are the live workers the placement plan lets hold the model (without a
+     plan: the workers that have it registered). New requests go to workers that
+     prefill ("prefill" or "mixed" role); `pick_decode` chooses among "decode"/"mixed".
+  2. Each candidate gets a predicted delay before the request's first token:
+     swap-in cost (0 if the weights are resident in a slot, a host->device copy if they
+     sit in the node's host cache, a disk load if cold) + queueing (requests ahead of it
+     x the worker's step time).
+  3. Candidates whose predicted delay stays within `headroom_frac` of the TTFT SLO are
+     preferred; among them residency wins (resident > host cache > cold), then the
+     lowest load. Keeping a model on the workers that already hold it avoids switches;
+     the headroom test spreads load before the SLO breaks.
+  4. If no candidate has headroom, the one with the lowest predicted delay wins.
+
+Spreading a hot model over more workers (scale out/in) is a placement decision:
+`scheduler/placement.py`. The router only tells the placement service that all of a
+model's workers are above the load threshold (`is_hot`).
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.slo import SLO
+
+if TYPE_CHECKING:
+    from scheduler.placement import PlacementPlan
+
+ROLES = ("mixed", "prefill", "decode")
+RESIDENT, HOST_CACHED, COLD = 0, 1, 2  # residency tiers, best first
+
+
+class NoWorkerError(LookupError):
+    """No live worker may serve the model; the message lists the models that can be served."""
+
+    def __init__(self, model: str, servable: Iterable[str]):
+        self.model = model
+        self.servable = sorted(set(servable))
+        listed = ", ".join(self.servable) if self.servable else "none"
+        super().__init__(f"no worker can serve model {model!r}; models that can be served: {listed}")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """Snapshot of one worker, as the router last saw it."""
+
+    worker_id: str
+    node_id: str
+    registered: frozenset[str] = frozenset()
+    resident: frozenset[str] = frozenset()       # weights in a device slot now
+    host_cached: frozenset[str] = frozenset()    # in the host weight cache of this node
+    load_by_model: Mapping[str, int] = field(default_factory=dict)  # queued + running
+    kv_free_frac: float = 1.0
+    role: str = "mixed"
+    num_slots: int = 1
+    slot_bytes: int = 0
+    step_time_s: float = 0.0                     # EMA of one step; 0 = unknown
+    alive: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0.0 <= self.kv_free_frac <= 1.0:
+            raise ValueError(f"kv_free_frac must be in [0, 1], got {self.kv_free_frac!r}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots!r}")
+        if self.slot_bytes < 0 or self.step_time_s < 0:
+            raise ValueError("slot_bytes and step_time_s must be >= 0")
+        if any(v < 0 for v in self.load_by_model.values()):
+            raise ValueError(f"load_by_model values must be >= 0, got {dict(self.load_by_model)!r}")
+        for name in ("registered", "resident", "host_cached"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        object.__setattr__(self, "load_by_model", dict(self.load_by_model))
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running on this worker, all models together."""
+        return sum(self.load_by_model.values())
+
+    def residency(self, model: str) -> int:
+        if model in self.resident:
+            return RESIDENT
+        if model in self.host_cached or model in self.registered:
+            return HOST_CACHED
+        return COLD
+
+    @classmethod
+    def from_stats(cls, stats: Mapping, host_cached: Iterable[str] = (),
+                   extra_load: Mapping[str, int] | None = None, alive: bool = True) -> "WorkerView":
+        """Build a view from a DeviceWorker `stats()` dict.
+
+        `extra_load` holds requests the router dispatched that the worker may not have
+        counted yet (sent after its last stats); per model the larger count wins.
+        """
+        load: dict[str, int] = collections.Counter()
+        for key in ("queue_depth", "running"):
+            for model, n in (stats.get(key) or {}).items():
+                load[model] += int(n)
+        for model, n in (extra_load or {}).items():
+            load[model] = max(load[model], int(n))
+        device = stats.get("device") or {}
+        return cls(
+            worker_id=str(stats["worker_id"]),
+            node_id=str(stats.get("node_id", "")),
+            registered=frozenset(stats.get("registered", ())),
+            resident=frozenset(stats.get("resident", ())),
+            host_cached=frozenset(host_cached) | frozenset(stats.get("host_cached", ())),
+            load_by_model={m: n for m, n in load.items() if n > 0},
+            kv_free_frac=min(1.0, max(0.0, float(stats.get("kv_free_frac", 1.0)))),
+            role=stats.get("role", "mixed"),
+            num_slots=int(stats.get("num_slots", 1)),
+            slot_bytes=int(stats.get("slot_bytes", device.get("budget_bytes", 0))),
+            step_time_s=float(stats.get("step_time_ema_s", 0.0)),
+            alive=alive,
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "worker_id": self.worker_id, "node_id": self.node_id,
+            "registered": sorted(self.registered), "resident": sorted(self.resident),
+            "host_cached": sorted(self.host_cached), "load_by_model": dict(self.load_by_model),
+            "load": self.load, "kv_free_frac": self.kv_free_frac, "role": self.role,
+            "num_slots": self.num_slots, "slot_bytes": self.slot_bytes,
+            "step_time_s": self.step_time_s, "alive": self.alive,
+        }
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    swap_bytes_per_s: float = 8e9     # host cache -> device slot
+    load_bytes_per_s: float = 1e9     # disk -> host cache -> device (cold path)
+    default_step_s: float = 0.05      # step time assumed until a worker reports one
+    default_weight_bytes: int = 1 << 30  # weight size assumed when the plan does not say
+    headroom_frac: float = 0.5        # predicted delay must stay under this share of TTFT SLO
+    hot_load: int = 8                 # per-worker load of a model above which it is "hot"
+
+    def __post_init__(self) -> None:
+        if self.swap_bytes_per_s <= 0 or self.load_bytes_per_s <= 0:
+            raise ValueError("swap_bytes_per_s and load_bytes_per_s must be > 0")
+        if self.default_step_s <= 0:
+            raise ValueError(f"default_step_s must be > 0, got {self.default_step_s!r}")
+        if self.default_weight_bytes < 0:
+            raise ValueError("default_weight_bytes must be >= 0")
+        if not 0.0 < self.headroom_frac <= 1.0:
+            raise ValueError(f"headroom_frac must be in (0, 1], got {self.headroom_frac!r}")
+        if self.hot_load < 1:
+            raise ValueError(f"hot_load must be >= 1, got {self.hot_load!r}")
+
+
+class RoutingPolicy:
+    def __init__(self, config: RoutingConfig | None = None):
+        self.config = config or RoutingConfig()
+
+    def candidates(self, model: str, views: Iterable[WorkerView],
+                   plan: "PlacementPlan | None" = None) -> list[WorkerView]:
+        """Live workers that may hold `model` (all roles)."""
+        live = [v for v in views if v.alive]
+        if plan is not None:
+            allowed = set(plan.workers_for(model))
+            return [v for v in live if v.worker_id in allowed]
+        return [v for v in live if model in v.registered]
+
+    def servable(self, views: Iterable[WorkerView], plan: "PlacementPlan | None" = None) -> list[str]:
+        live = [v for v in views if v.alive]
+        if plan is not None:
+            ids = {v.worker_id for v in live}
+            return sorted(m for m, ws in plan.assignments.items() if ids.intersection(ws))
+        return sorted(set().union(*(v.registered for v in live))) if live else []
+
+    def predicted_delay_s(self, model: str, view: WorkerView, weight_bytes: int | None = None) -> float:
+        """Seconds before a new request of `model` would start on `view`."""
+        cfg = self.config
+        nbytes = cfg.default_weight_bytes if weight_bytes is None else weight_bytes
+        tier = view.residency(model)
+        switch = 0.0 if tier == RESIDENT else nbytes / (
+            cfg.swap_bytes_per_s if tier == HOST_CACHED else cfg.load_bytes_per_s)
+        step = view.step_time_s or cfg.default_step_s
+        # A full KV pool makes new requests wait for others to finish.
+        kv_penalty = 1.0 if view.kv_free_frac > 0.05 else 4.0
+        return switch + view.load * step * kv_penalty
+
+    def pick(self, model: str, views: Iterable[WorkerView], slo: SLO | None = None,
+             plan: "PlacementPlan | None" = None) -> str:
+        """Worker id for a new request of `model` (it prefills there)."""
+        return self._pick(model, list(views), slo, plan, prefill=True)
+
+    def pick_decode(self, model: str, views: Iterable[WorkerView], slo: SLO | None = None,
+                    plan: "PlacementPlan | None" = None) -> str:
+        """Worker id to continue decoding a prefilled request of `model` (KV handoff target)."""
+        return self._pick(model, list(views), slo, plan, prefill=False)
+
+    def is_hot(self, model: str, views: Iterable[WorkerView], plan: "PlacementPlan | None" = None) -> bool:
+        """All of the model's workers carry more than `hot_load` of its requests."""
+        cands = self.candidates(model, views, plan)
+        return bool(cands) and all(v.load_by_model.get(model, 0) > self.config.hot_load for v in cands)
+
+    def _pick(self, model: str, views: list[WorkerView], slo: SLO | None,
+              plan: "PlacementPlan | None", prefill: bool) -> str:
+        if not model:
+            raise ValueError("model must be non-empty")
+        cands = self.candidates(model, views, plan)
+        if not cands:
+            raise NoWorkerError(model, self.servable(views, plan))
+        wanted = ("prefill", "mixed") if prefill else ("decode", "mixed")
+        # A missing role is no reason to fail a request: any holder can run both phases.
+        cands = [v for v in cands if v.role in wanted] or cands
+        slo = slo or (plan.slo_for(model) if plan is not None else None) or SLO()
+        weight_bytes = plan.weight_bytes(model) if plan is not None else None
+        budget = slo.ttft_s * self.config.headroom_frac
+        scored = [(self.predicted_delay_s(model, v, weight_bytes), v) for v in cands]
+        within = [(d, v) for d, v in scored if d <= budget]
+        if within:
+            _, best = min(within, key=lambda dv: (dv[1].residency(model), dv[1].load, dv[0], dv[1].worker_id))
+        else:
+            _, best = min(scored, key=lambda dv: (dv[0], dv[1].worker_id))
+        return best.worker_id
+
+
+class LoadTracker:
+    """What the router dispatched: in-flight requests per (worker, model) and arrival rates.
+
+    Pure bookkeeping, fed by `dispatched`/`released`; `now` is passed in so tests and the
+    simulator drive the clock.
+    """
+
+    def __init__(self, window_s: float = 10.0):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = window_s
+        self._inflight: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._arrivals: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+
+    def dispatched(self, worker_id: str, model: str, now: float) -> None:
+        self._inflight[worker_id][model] += 1
+        self._arrivals[model].append(now)
+
+    def released(self, worker_id: str, model: str) -> bool:
+        """False when nothing was in flight there (a duplicate or unknown release)."""
+        counts = self._inflight.get(worker_id)
+        if not counts or counts[model] <= 0:
+            return False
+        counts[model] -= 1
+        if counts[model] == 0:
+            del counts[model]
+        return True
+
+    def forget_worker(self, worker_id: str) -> dict[str, int]:
+        """Drop a dead worker; returns what was in flight there."""
+        return dict(self._inflight.pop(worker_id, {}))
+
+    def inflight(self, worker_id: str) -> dict[str, int]:
+        return dict(self._inflight.get(worker_id, {}))
+
+    def pending(self) -> dict[str, int]:
+        """In-flight requests per model, all workers together."""
+        total: collections.Counter = collections.Counter()
+        for counts in self._inflight.values():
+            total.update(counts)
+        return {m: n for m, n in total.items() if n > 0}
+
+    def rate(self, model: str, now: float) -> float:
+        """Arrivals per second of `model` over the last `window_s`."""
+        q = self._arrivals.get(model)
+        if not q:
+            return 0.0
+        while q and q[0] < now - self.window_s:
+            q.popleft()
+        return len(q) / self.window_s
+
+    def models(self) -> set[str]:
+        return set(self._arrivals) | set(self.pending())
+
