@@ -1,0 +1,70 @@
+"""The worker's device memory: one buffer reserved at start, carved into KV + weight slots.
+
+    [ KV region (kv_bytes) | slot 0 | slot 1 | ... | slot N-1 ]   one torch.empty(total_bytes)
+
+Nothing is allocated after start: a model switch copies weights into a slot, the KV
+pool lives in the KV region, and the caching allocator never churns (no empty_cache).
+On a CPU host the "device" is the same buffer in ordinary memory, touched at start so
+the budget is really committed, and a model that does not fit is refused the same way.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLOT_ALIGN = 256   # slots start where a CUDA allocation would
+
+
+def format_bytes(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e3:.1f} kB"
+
+
+class DeviceMemory:
+    def __init__(self, total_bytes: int, kv_bytes: int, num_slots: int, device: str | torch.device = "cpu"):
+        for name, value in (("total_bytes", total_bytes), ("kv_bytes", kv_bytes), ("num_slots", num_slots)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        kv_end = (kv_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+        slot_bytes = (total_bytes - kv_end) // num_slots // SLOT_ALIGN * SLOT_ALIGN
+        if slot_bytes <= 0:
+            raise ValueError(
+                f"device budget {format_bytes(total_bytes)} leaves no room for {num_slots} weight slots "
+                f"after a KV region of {format_bytes(kv_bytes)}"
+            )
+        self.device = torch.device(device)
+        self.total_bytes = total_bytes
+        self.kv_bytes = kv_bytes
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.buffer = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)   # [total_bytes]
+        if self.device.type == "cpu":
+            self.buffer.zero_()   # commit the pages now, so the first swap-in does not fault them in
+        self.kv_buffer = self.buffer[:kv_bytes]                                        # [kv_bytes]
+        self._slots = [self.buffer[kv_end + i * slot_bytes: kv_end + (i + 1) * slot_bytes]
+                       for i in range(num_slots)]                                      # each [slot_bytes]
+        logger.info("device memory on %s: %s = KV %s + %d slots of %s", self.device,
+                    format_bytes(total_bytes), format_bytes(kv_bytes), num_slots, format_bytes(slot_bytes))
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot `index` as a uint8 tensor `[slot_bytes]` inside the one buffer."""
+        if not 0 <= index < self.num_slots:
+            raise IndexError(f"slot {index} out of range (num_slots={self.num_slots})")
+        return self._slots[index]
+
+    def check_fits(self, model: str, weight_bytes: int) -> None:
+        """Refuse a model whose weights cannot fit one slot, with the numbers."""
+        if weight_bytes > self.slot_bytes:
+            raise ValueError(
+                f"model {model!r} needs {format_bytes(weight_bytes)} of weights but a slot holds "
+                f"{format_bytes(self.slot_bytes)} (budget {format_bytes(self.total_bytes)} = "
+                f"KV {format_bytes(self.kv_bytes)} + {self.num_slots} slots)"
+            )

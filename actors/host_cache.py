@@ -1,0 +1,195 @@
+"""The node-wide host weight cache: each model's flat weights held once per node.
+
+Every worker process on a node maps the same shared-memory file per model
+(`<shm_dir>/<prefix>-<fingerprint>`), so N workers serving the same model hold its
+weights once. The first process to need a model fills the file from safetensors under
+an exclusive `fcntl` lock on `<file>.lock` and then writes `<file>.ready`; the others
+wait on the lock, see the marker and just map the file. A process that dies mid-fill
+releases the lock and leaves no marker, so the next one refills. Reading the
+checkpoint from disk is the cold path only; a swap-in copies from this mapping.
+
+Pinning on GPU hosts: the shared mapping itself is page-locked with `cudaHostRegister`
+(per process, no extra copy), so host->device copies run at full DMA speed straight out
+of shared memory. Copying into a private pinned buffer instead would hold the weights
+once more per worker, defeating the point of a node-wide cache; that copy is only the
+fallback when registration is refused. On CPU hosts nothing is pinned.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.weight_layout import WeightLayout
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/dev/shm"
+DEFAULT_PREFIX = "tokenmux-weights"
+
+
+@dataclass
+class _Mapped:
+    layout: WeightLayout
+    path: Path
+    flat: torch.Tensor          # [total_bytes] uint8 over the shared mapping (or its pinned copy)
+    mapping: mmap.mmap
+    registered: bool            # cudaHostRegister'ed by this process
+
+
+class HostWeightCache:
+    def __init__(self, shm_dir: str | Path = DEFAULT_SHM_DIR, prefix: str = DEFAULT_PREFIX,
+                 pin: bool | None = None):
+        self.shm_dir = Path(shm_dir)
+        if not self.shm_dir.is_dir():
+            raise ValueError(f"shared-memory directory {self.shm_dir} does not exist")
+        if not prefix or "/" in prefix:
+            raise ValueError(f"prefix must be a non-empty file-name part, got {prefix!r}")
+        self.prefix = prefix
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._layouts: dict[str, WeightLayout] = {}
+        self._mapped: dict[str, _Mapped] = {}
+        self.num_fills = 0            # fills done by THIS process (0 = reused another's)
+        self.fill_seconds = 0.0
+
+    def add(self, model: str, layout: WeightLayout) -> None:
+        """Make `model` known; its weights are read on the first `flat(model)`."""
+        known = self._layouts.get(model)
+        if known is not None and known != layout:
+            raise ValueError(f"model {model!r} is already in the host cache with a different layout")
+        self._layouts[model] = layout
+
+    def layout(self, model: str) -> WeightLayout:
+        if model not in self._layouts:
+            raise KeyError(f"model {model!r} is not in the host weight cache; known: {sorted(self._layouts)}")
+        return self._layouts[model]
+
+    def file_for(self, model: str) -> Path:
+        return self.shm_dir / f"{self.prefix}-{self.layout(model).fingerprint()}"
+
+    def flat(self, model: str) -> torch.Tensor:
+        """The model's weights as one uint8 tensor `[total_bytes]`, filling the cache on first use."""
+        m = self._mapped.get(model)
+        if m is None:
+            m = self._mapped[model] = self._map(model)
+        return m.flat
+
+    def models(self) -> set[str]:
+        return set(self._mapped)
+
+    def num_bytes(self) -> int:
+        """Bytes of weights this process has mapped (each counted once per node)."""
+        return sum(m.layout.total_bytes for m in self._mapped.values())
+
+    def stats(self) -> dict:
+        return {"models": len(self._mapped), "bytes": self.num_bytes(),
+                "fills": self.num_fills, "fill_seconds": self.fill_seconds}
+
+    def evict(self, model: str) -> None:
+        """Drop `model` from the node: unmap here and unlink its file (memory returns once
+        every process has dropped its mapping)."""
+        path = self.file_for(model)
+        self._release(model)
+        for p in (path.with_name(path.name + ".ready"), path, path.with_name(path.name + ".lock")):
+            p.unlink(missing_ok=True)
+        self._layouts.pop(model, None)
+
+    def close(self) -> None:
+        """Unmap everything in this process; the files stay for the other workers."""
+        for model in list(self._mapped):
+            self._release(model)
+
+    def _release(self, model: str) -> None:
+        m = self._mapped.pop(model, None)
+        if m is not None and m.registered:
+            torch.cuda.cudart().cudaHostUnregister(m.flat.data_ptr())
+        # the mmap closes when the last tensor viewing it is freed
+
+    def _map(self, model: str) -> _Mapped:
+        layout = self.layout(model)
+        path = self.file_for(model)
+        ready = path.with_name(path.name + ".ready")
+        with open(path.with_name(path.name + ".lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # held through the fill: others wait, then reuse
+            try:
+                if not ready.exists():
+                    self._fill(layout, path, ready)
+                mapping = _map_file(path, layout.total_bytes)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        registered = False
+        if self.pin:
+            flat, registered = _pin(flat, model)
+        return _Mapped(layout, path, flat, mapping, registered)
+
+    def _fill(self, layout: WeightLayout, path: Path, ready: Path) -> None:
+        start = time.perf_counter()
+        tmp_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(tmp_fd, layout.total_bytes)
+        finally:
+            os.close(tmp_fd)
+        mapping = _map_file(path, layout.total_bytes)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        _read_checkpoint(layout, flat)
+        del flat
+        mapping.close()
+        elapsed = time.perf_counter() - start
+        ready.write_text(json.dumps({"pid": os.getpid(), "seconds": elapsed, "checkpoint": layout.path}))
+        self.num_fills += 1
+        self.fill_seconds += elapsed
+        logger.info("host cache: filled %s (%.1f MB) from %s in %.2fs",
+                    path.name, layout.total_bytes / 1e6, layout.path, elapsed)
+
+
+def _map_file(path: Path, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"host cache file {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)   # populate: no faults on first swap
+        return mmap.mmap(fd, size, flags=flags)
+    finally:
+        os.close(fd)
+
+
+def _read_checkpoint(layout: WeightLayout, flat: torch.Tensor) -> None:
+    """Read every tensor's raw bytes straight into its place in `flat` (converting dtype if asked)."""
+    handles = {}
+    try:
+        for e in layout.entries:
+            f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb"))
+            f.seek(e.file_offset)
+            dst = flat[e.offset:e.offset + e.nbytes]
+            if e.file_dtype == e.dtype:
+                n = f.readinto(memoryview(dst.numpy()))
+                if n != e.nbytes:
+                    raise ValueError(f"{e.file}: short read for {e.name} ({n} of {e.nbytes} bytes)")
+            else:
+                raw = bytearray(e.nbytes // e.dtype.itemsize * e.file_dtype.itemsize)
+                if f.readinto(raw) != len(raw):
+                    raise ValueError(f"{e.file}: short read for {e.name}")
+                dst.view(e.dtype).copy_(torch.frombuffer(raw, dtype=e.file_dtype).to(e.dtype))
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def _pin(flat: torch.Tensor, model: str) -> tuple[torch.Tensor, bool]:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    if int(err) == 0:
+        return flat, True
+    logger.warning("host cache: cudaHostRegister refused for %s (error %s); using a private pinned copy",
+                   model, int(err))
+    pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+    pinned.copy_(flat)
+    return pinned, False
