@@ -1,0 +1,236 @@
+"""Open-loop load driver: send each request at its arrival time, record when tokens come back.
+
+Open loop means arrivals never wait for completions: request i is sent at t0 + arrival_s
+whether or not earlier requests have finished, so an overloaded system sees its queue grow
+(as in production) instead of the driver slowing down to match it. A request's `arrival`
+in its record is its scheduled time, so any lag in sending it counts against the system.
+
+The system under test is a `Target`: one method that streams the new tokens of one
+request. Chunks are lists of token ids (timestamped by the driver on receipt) or
+`OutputFrame`s, whose `token_times` (wall clock, time.time()) are used when present.
+An error is recorded on the request, never raised out of the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
+
+from load_tests.metrics import RequestRecord
+from load_tests.workloads import TraceRequest, Workload
+from scheduler.messages import OutputFrame
+
+logger = logging.getLogger(__name__)
+
+Chunk = list[int] | OutputFrame
+Prompt = str | list[int]
+
+
+class Target(Protocol):
+    def stream(self, model: str, prompt: Prompt, max_tokens: int,
+               request_id: str) -> AsyncIterator[Chunk]: ...
+
+
+class TargetError(RuntimeError):
+    """The target answered, but with an error (HTTP status, error event)."""
+
+
+class CallableTarget:
+    """Any async generator function fn(model, prompt, max_tokens, request_id) as a Target."""
+
+    def __init__(self, fn: Callable[[str, Prompt, int, str], AsyncIterator[Chunk]]):
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {fn!r}")
+        self.fn = fn
+
+    def stream(self, model: str, prompt: Prompt, max_tokens: int,
+               request_id: str) -> AsyncIterator[Chunk]:
+        return self.fn(model, prompt, max_tokens, request_id)
+
+
+class OpenAIHTTPTarget:
+    """POST {base_url}/v1/completions with stream=true and read the server-sent events.
+
+    Each event's choices[0] gives `token_ids` when the server sends them (tokenmux does),
+    else one token per non-empty `text` delta. `ignore_eos` (a vLLM/tokenmux extension)
+    makes output lengths follow the trace.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, ignore_eos: bool = True,
+                 extra_body: dict | None = None, connect_timeout_s: float = 10.0,
+                 transport=None):
+        import httpx
+
+        if not base_url:
+            raise ValueError("base_url must be non-empty")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.ignore_eos = ignore_eos
+        self.extra_body = dict(extra_body or {})
+        # No read timeout here: the driver bounds each request with its own timeout.
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, transport=transport,
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> "OpenAIHTTPTarget":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def stream(self, model: str, prompt: Prompt, max_tokens: int,
+                     request_id: str) -> AsyncIterator[Chunk]:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos,
+                **self.extra_body}
+        headers = {"X-Request-Id": request_id}
+        async with self._client.stream("POST", "/v1/completions", json=body,
+                                       headers=headers) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:500]
+                raise TargetError(f"HTTP {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if event.get("error"):
+                    raise TargetError(f"server error: {event['error']}")
+                for choice in event.get("choices") or []:
+                    ids = choice.get("token_ids")
+                    if ids:
+                        yield [int(i) for i in ids]
+                    elif choice.get("text"):
+                        yield [-1]  # id unknown; one streamed delta = one token
+                usage = event.get("usage")
+                if usage and usage.get("prompt_tokens"):
+                    yield OutputFrame(request_id, num_prompt_tokens=int(usage["prompt_tokens"]))
+
+
+_WORDS = ("the of and to in is for on that with as it at by from this be are or an was "
+          "have not but all can one more will time new some about out up other into "
+          "only over after also most first work like just year any people way two").split()
+
+
+def make_prompt(num_tokens: int, seed: int, *, vocab_size: int | None = None,
+                low: int = 0) -> Prompt:
+    """A deterministic prompt: token ids in [low, vocab_size) when vocab_size is given,
+    else text of num_tokens common words (about one token each with most tokenizers)."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens!r}")
+    rng = random.Random(seed)
+    if vocab_size is None:
+        return " ".join(rng.choice(_WORDS) for _ in range(num_tokens))
+    if not 0 <= low < vocab_size:
+        raise ValueError(f"need 0 <= low < vocab_size, got low={low} vocab_size={vocab_size}")
+    return [rng.randrange(low, vocab_size) for _ in range(num_tokens)]
+
+
+async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, prompt: Prompt,
+                    timeout_s: float, t0: float, wall0: float) -> None:
+    agen = target.stream(req.model, prompt, req.output_len, rec.request_id)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in agen:
+                now = time.perf_counter() - t0
+                if isinstance(chunk, OutputFrame):
+                    if chunk.num_prompt_tokens:
+                        rec.num_prompt_tokens = chunk.num_prompt_tokens
+                    rec.worker_id = chunk.worker_id or rec.worker_id
+                    ids = chunk.token_ids
+                    if len(chunk.token_times) == len(ids):
+                        rec.token_times.extend(t - wall0 for t in chunk.token_times)
+                    else:
+                        rec.token_times.extend([now] * len(ids))
+                    if chunk.error:
+                        rec.error = chunk.error
+                        break
+                else:
+                    rec.token_times.extend([now] * len(chunk))
+    except TimeoutError:
+        rec.error = f"timeout after {timeout_s:g} s"
+    except asyncio.CancelledError:
+        rec.error = "cancelled"
+        raise
+    except Exception as e:  # the target's failure is a measurement, not a crash
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        rec.end = time.perf_counter() - t0
+        rec.num_output_tokens = len(rec.token_times)
+        rec.first_token_time = rec.token_times[0] if rec.token_times else None
+        aclose: Callable[[], Awaitable[None]] | None = getattr(agen, "aclose", None)
+        if aclose is not None:
+            try:
+                await asyncio.wait_for(aclose(), 5.0)
+            except BaseException:  # closing a broken or cancelled stream must not hang the run
+                pass
+
+
+async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
+              duration_s: float | None = None, max_requests: int | None = None,
+              request_timeout_s: float = 120.0, drain_timeout_s: float | None = None,
+              vocab_size: int | None = None, seed: int = 0,
+              progress: bool = False) -> list[RequestRecord]:
+    """Replay `workload` against `target` open loop; one record per request sent.
+
+    Requests arriving at or after duration_s, or beyond the first max_requests, are not
+    sent. After the last arrival, in-flight requests get drain_timeout_s (default
+    request_timeout_s + 1 s) to finish; the rest are cancelled and recorded as errors. Times in
+    the records are seconds since the start of the run. Prompts are token ids when
+    vocab_size is given, else text (see make_prompt), seeded per request from `seed`.
+    """
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+    if duration_s is not None and not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    if max_requests is not None and max_requests < 0:
+        raise ValueError(f"max_requests must be >= 0, got {max_requests!r}")
+    todo = [r for r in workload if duration_s is None or r.arrival_s < duration_s]
+    todo = todo[:max_requests] if max_requests is not None else todo
+    # default: long enough for every in-flight request to hit its own timeout first
+    drain_s = request_timeout_s + 1.0 if drain_timeout_s is None else drain_timeout_s
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    t0, wall0 = time.perf_counter(), time.time()
+    try:
+        for i, req in enumerate(todo):
+            delay = t0 + req.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = RequestRecord(f"req-{i:06d}", req.model, arrival=req.arrival_s,
+                                num_prompt_tokens=req.input_len)
+            prompt = make_prompt(req.input_len, seed * 1_000_003 + i, vocab_size=vocab_size)
+            task = asyncio.create_task(
+                _send_one(target, req, rec, prompt, request_timeout_s, t0, wall0))
+            task.add_done_callback(lambda _: bar.update(1))
+            records.append(rec)
+            tasks.append(task)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=drain_s)
+            if pending:
+                logger.warning("%d requests still running %.1f s after the last arrival; "
+                               "cancelling them", len(pending), drain_s)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op for finished ones
+        await asyncio.gather(*tasks, return_exceptions=True)
+        bar.close()
+        for rec in records:
+            if rec.end is None:  # cancelled before it started
+                rec.error, rec.end = "cancelled", time.perf_counter() - t0
+    errors = sum(r.error is not None for r in records)
+    logger.info("sent %d requests in %.1f s, %d errors", len(records),
+                time.perf_counter() - t0, errors)
+    return records

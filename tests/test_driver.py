@@ -1,0 +1,175 @@
+"""Open-loop driver against in-process targets that sleep per token, and against HTTP/SSE."""
+import asyncio
+import json
+import time
+
+import pytest
+
+from load_tests.driver import CallableTarget, OpenAIHTTPTarget, make_prompt, run
+from load_tests.workloads import TraceRequest, Workload
+from scheduler.messages import OutputFrame
+
+
+def workload(n, gap_s, model="m", input_len=4, output_len=3):
+    return Workload(tuple(TraceRequest(i * gap_s, model, input_len, output_len) for i in range(n)))
+
+
+class SlowEngine:
+    """Streams one token per `token_s`; notes when each request was sent and closed."""
+
+    def __init__(self, token_s):
+        self.token_s = token_s
+        self.sent, self.closed, self.prompts = {}, set(), {}
+
+    async def __call__(self, model, prompt, max_tokens, request_id):
+        self.sent[request_id] = time.perf_counter()
+        self.prompts[request_id] = prompt
+        try:
+            for i in range(max_tokens):
+                await asyncio.sleep(self.token_s)
+                yield [i]
+        finally:
+            self.closed.add(request_id)
+
+
+def test_open_loop_arrivals_do_not_wait_for_completions():
+    engine = SlowEngine(token_s=0.4)  # each request takes 1.2 s
+    w = workload(8, gap_s=0.05)
+    t0 = time.perf_counter()
+    records = asyncio.run(run(CallableTarget(engine), w))
+    elapsed = time.perf_counter() - t0
+    sends = sorted(engine.sent.values())
+    # every request went out on schedule, long before the first one finished
+    assert sends[-1] - t0 < 0.35 + 0.2
+    assert elapsed < 1.2 + 0.35 + 0.8  # concurrent, not 8 x 1.2 s
+    assert all(r.ok and r.num_output_tokens == 3 for r in records)
+    assert [r.arrival for r in records] == [r.arrival_s for r in w]
+    for r in records:
+        assert r.ttft == pytest.approx(0.4, abs=0.25)
+        assert all(g == pytest.approx(0.4, abs=0.25) for g in r.tbts)
+
+
+def test_bounded_by_count_and_duration():
+    engine = SlowEngine(token_s=0.01)
+    w = workload(20, gap_s=0.1)
+    assert len(asyncio.run(run(CallableTarget(engine), w, max_requests=3))) == 3
+    recs = asyncio.run(run(CallableTarget(engine), w, duration_s=0.25))
+    assert [r.arrival for r in recs] == pytest.approx([0.0, 0.1, 0.2])
+
+
+def test_errors_timeouts_and_cancellation_are_recorded_not_raised():
+    async def flaky(model, prompt, max_tokens, request_id):
+        yield [1]
+        if model == "raises":
+            raise RuntimeError("engine died")
+        if model == "frame-error":
+            yield OutputFrame(request_id, finish_reason="error", error="out of memory")
+        if model == "hangs":
+            await asyncio.sleep(3600)
+        yield [2]
+
+    reqs = [TraceRequest(0.0, m, 2, 2) for m in ("ok", "raises", "frame-error", "hangs")]
+    t0 = time.perf_counter()
+    recs = asyncio.run(run(CallableTarget(flaky), Workload(tuple(reqs)), request_timeout_s=0.3))
+    assert time.perf_counter() - t0 < 2.0
+    by_model = {r.model: r for r in recs}
+    assert by_model["ok"].error is None and by_model["ok"].num_output_tokens == 2
+    assert by_model["raises"].error == "RuntimeError: engine died"
+    assert by_model["raises"].num_output_tokens == 1  # the token before the failure counts
+    assert by_model["frame-error"].error == "out of memory"
+    assert by_model["hangs"].error.startswith("timeout")
+
+    # a short drain cancels what is still running after the last arrival
+    recs = asyncio.run(run(CallableTarget(flaky), Workload((TraceRequest(0.0, "hangs", 2, 2),)),
+                           request_timeout_s=60, drain_timeout_s=0.2))
+    assert recs[0].error == "cancelled" and recs[0].end is not None
+
+
+def test_shutdown_cancels_and_closes_every_stream():
+    engine = SlowEngine(token_s=10.0)
+
+    async def main():
+        task = asyncio.create_task(run(CallableTarget(engine), workload(5, gap_s=0.02)))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    assert time.perf_counter() - t0 < 2.0
+    assert len(engine.sent) == 5 and engine.closed == set(engine.sent)
+
+
+def test_frame_token_times_from_the_server_are_used():
+    async def timed(model, prompt, max_tokens, request_id):
+        now = time.time()
+        yield OutputFrame(request_id, token_ids=[7, 8], token_times=[now - 0.5, now - 0.25],
+                          num_prompt_tokens=11, worker_id="w3")
+
+    (r,) = asyncio.run(run(CallableTarget(timed), workload(1, 0.0)))
+    assert r.tbts[0] == pytest.approx(0.25, abs=1e-6)
+    assert r.num_prompt_tokens == 11 and r.worker_id == "w3"
+
+
+def test_prompts_are_deterministic_token_ids_within_the_vocab():
+    engine = SlowEngine(token_s=0.0)
+    asyncio.run(run(CallableTarget(engine), workload(3, 0.0, input_len=50), vocab_size=100, seed=1))
+    first = dict(engine.prompts)
+    asyncio.run(run(CallableTarget(engine), workload(3, 0.0, input_len=50), vocab_size=100, seed=1))
+    assert engine.prompts == first
+    p = first["req-000000"]
+    assert len(p) == 50 and all(0 <= t < 100 for t in p)
+    assert p != first["req-000001"]
+    text = make_prompt(20, seed=0)
+    assert isinstance(text, str) and len(text.split()) == 20
+    with pytest.raises(ValueError, match="num_tokens"):
+        make_prompt(0, seed=0)
+
+
+def _sse_app(seen):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        body = await req.json()
+        seen.append(body)
+        if body["model"] == "missing":
+            return JSONResponse({"error": {"message": "model not found"}}, status_code=404)
+
+        async def events():
+            for i in range(body["max_tokens"]):
+                choice = ({"text": f" t{i}", "token_ids": [i]} if body["model"] == "ids"
+                          else {"text": f" t{i}"})
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_openai_http_target_streams_sse():
+    import httpx
+
+    seen = []
+    reqs = [TraceRequest(0.0, m, 6, 4) for m in ("ids", "text", "missing")]
+
+    async def main():
+        target = OpenAIHTTPTarget("http://test", transport=httpx.ASGITransport(app=_sse_app(seen)))
+        async with target:
+            return await run(target, Workload(tuple(reqs)), vocab_size=1000)
+
+    recs = {r.model: r for r in asyncio.run(main())}
+    assert recs["ids"].ok and recs["ids"].num_output_tokens == 4
+    assert recs["text"].ok and recs["text"].num_output_tokens == 4
+    assert recs["ids"].num_prompt_tokens == 6
+    assert recs["missing"].error.startswith("TargetError: HTTP 404")
+    body = next(b for b in seen if b["model"] == "ids")
+    assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 4
+    assert len(body["prompt"]) == 6 and all(isinstance(t, int) for t in body["prompt"])
