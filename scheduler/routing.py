@@ -46,6 +46,9 @@ class NoWorkerError(LookupError):
         listed = ", ".join(self.servable) if self.servable else "none"
         super().__init__(f"no worker can serve model {model!r}; models that can be served: {listed}")
 
+    def __reduce__(self):   # crosses Ray actor boundaries intact
+        return (NoWorkerError, (self.model, self.servable))
+
 
 @dataclass(frozen=True)
 class WorkerView:
@@ -122,6 +125,10 @@ class WorkerView:
             step_time_s=float(stats.get("step_time_ema_s", 0.0)),
             alive=alive,
         )
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "WorkerView":
+        return cls(**{k: v for k, v in d.items() if k != "load"})
 
     def to_dict(self) -> dict:
         return {

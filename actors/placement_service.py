@@ -1,0 +1,174 @@
+"""PlacementService: turns router-reported load into a placement plan and applies it.
+
+Every `interval_s` (and on demand: `replan()`, which the router calls when all of a
+model's workers run hot) it asks the router for worker views and per-model load, runs
+`scheduler.placement.PlacementPolicy` (which keeps the hysteresis state, so it lives
+here, once per cluster), and applies the plan in an order that never routes a request to
+a worker without the model:
+
+  1. register_model on workers that gain a model (a failed registration drops that
+     worker from the model's list in the plan);
+  2. set_role on workers whose role changes;
+  3. push the plan to the router (routing follows it from here on);
+  4. unregister_model where a model left a worker, once no request of it is in flight
+     there (otherwise the next round retries).
+
+Registering a model puts it in the node's host cache only: a cold model costs no device
+memory until a request arrives and the worker swaps it into a slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
+from scheduler.routing import WorkerView
+from scheduler.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_NAME = "tokenmux-placement"
+
+
+def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
+    """(path, ModelInfo) from a checkpoint path, or a dict {path, weight_bytes, kv_bytes_per_token}."""
+    if isinstance(source, dict):
+        path = source.get("path")
+        if not path:
+            raise ValueError(f"model {name!r}: entry needs a 'path'")
+        if "weight_bytes" in source:
+            return str(path), ModelInfo.of(source)
+    else:
+        path = source
+    from actors.model_spec import ModelSpec   # reads headers only, no torch
+
+    spec = ModelSpec.from_dir(path)
+    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
+    return str(path), ModelInfo(spec.weight_bytes, kv_per_token)
+
+
+@ray.remote(num_cpus=0)
+class PlacementService:
+    def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, dict] | None = None,
+                 config: dict | None = None, interval_s: float = 2.0, router=None):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self._policy = PlacementPolicy(PlacementConfig(**(config or {})))
+        self._paths: dict[str, str] = {}
+        self._infos: dict[str, ModelInfo] = {}
+        for name, source in (models or {}).items():
+            self._paths[name], self._infos[name] = model_entry(name, source)
+        self._slos = {m: SLO(**s) for m, s in (slos or {}).items()}
+        self._interval_s = interval_s
+        self._router = router
+        self._plan: PlacementPlan | None = None
+        self._lock = asyncio.Lock()
+        self._loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Attach to the router and start the periodic replan (idempotent)."""
+        if self._loop_task is None or self._loop_task.done():
+            await self._get_router().attach_placement.remote(ray.get_runtime_context().current_actor)
+            self._loop_task = asyncio.get_running_loop().create_task(self._replan_forever())
+
+    async def add_model(self, name: str, source: Any, slo: dict | None = None) -> dict:
+        if not name:
+            raise ValueError("model name must be non-empty")
+        self._paths[name], self._infos[name] = model_entry(name, source)
+        if slo:
+            self._slos[name] = SLO(**slo)
+        return await self.replan()
+
+    async def remove_model(self, name: str) -> dict:
+        if name not in self._infos:
+            raise ValueError(f"unknown model {name!r}; known: {sorted(self._infos)}")
+        del self._paths[name], self._infos[name]
+        self._slos.pop(name, None)
+        return await self.replan()
+
+    async def plan(self) -> dict | None:
+        return self._plan.to_dict() if self._plan else None
+
+    async def replan(self) -> dict:
+        async with self._lock:
+            router = self._get_router()
+            report = await router.load_report.remote()
+            views = [WorkerView.from_dict(d) for d in report["workers"]]
+            load = {m: l for m, l in report["load"].items() if m in self._infos}
+            plan = self._policy.plan(views, self._infos, load, self._slos, now=time.monotonic())
+            handles = await router.worker_handles.remote()
+            plan = await self._register(plan, views, handles)
+            await self._set_roles(plan, views, handles)
+            await router.set_plan.remote(plan.to_dict())
+            self._plan = plan
+            await self._unregister(plan, views, handles)
+            return plan.to_dict()
+
+    # ---- applying a plan ---------------------------------------------------------------
+
+    async def _register(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> PlacementPlan:
+        todo = [(v.worker_id, m) for v in views if v.alive and v.worker_id in handles
+                for m in plan.models_for(v.worker_id) if m not in v.registered]
+        results = await asyncio.gather(
+            *(handles[w].register_model.remote(m, self._paths[m]) for w, m in todo), return_exceptions=True)
+        failed = {}
+        for (w, m), result in zip(todo, results):
+            if isinstance(result, BaseException):
+                logger.warning("placement: register_model(%s) on %s failed: %s", m, w, result)
+                failed[(w, m)] = str(result).splitlines()[0] if str(result) else type(result).__name__
+        if not failed:
+            return plan
+        assignments, unplaceable = {}, dict(plan.unplaceable)
+        for m, ws in plan.assignments.items():
+            kept = tuple(w for w in ws if (w, m) not in failed)
+            if kept:
+                assignments[m] = kept
+            else:
+                unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
+        return PlacementPlan(assignments=assignments, roles=plan.roles, models=plan.models, slos=plan.slos,
+                             demand=plan.demand, unplaceable=unplaceable, version=plan.version)
+
+    async def _set_roles(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
+        todo = [(v.worker_id, plan.roles[v.worker_id]) for v in views
+                if v.worker_id in plan.roles and v.worker_id in handles and v.role != plan.roles[v.worker_id]]
+        results = await asyncio.gather(*(handles[w].set_role.remote(r) for w, r in todo), return_exceptions=True)
+        for (w, r), result in zip(todo, results):
+            if isinstance(result, BaseException):
+                logger.warning("placement: set_role(%s) on %s failed: %s", r, w, result)
+
+    async def _unregister(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
+        todo = [(v.worker_id, m) for v in views if v.alive and v.worker_id in handles
+                for m in v.registered - set(plan.models_for(v.worker_id)) if v.load_by_model.get(m, 0) == 0]
+        results = await asyncio.gather(
+            *(handles[w].unregister_model.remote(m) for w, m in todo), return_exceptions=True)
+        for (w, m), result in zip(todo, results):
+            if isinstance(result, BaseException) and not isinstance(result, RayActorError):
+                logger.warning("placement: unregister_model(%s) on %s failed: %s", m, w, result)
+
+    def _get_router(self):
+        if self._router is None:
+            from actors.router import ROUTER_NAME
+
+            self._router = ray.get_actor(ROUTER_NAME)
+        return self._router
+
+    async def _replan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.replan()
+            except Exception:   # a failed round must not end the loop; the next one retries
+                logger.exception("placement: replan failed")
+
+
+def get_or_create_placement(detached: bool = False, **kwargs):
+    """The cluster's placement service: the named actor if it exists, else a new one."""
+    options = {"name": PLACEMENT_NAME, "get_if_exists": True}
+    if detached:
+        options["lifetime"] = "detached"
+    return PlacementService.options(**options).remote(**kwargs)

@@ -1,0 +1,220 @@
+"""GlobalRouter: one per cluster; picks a worker for each new request, never touches tokens.
+
+The ingress asks `pick(model)` and gets `(worker_id, handle)`, then streams from
+`handle.generate` itself, and calls `release(worker_id, model)` when the request ends.
+So the router sits on one call per request, not on the per-token path.
+
+State: the worker handles, each worker's latest `stats()` (polled every `poll_interval_s`
+and pushed by workers through `report_stats`), the requests dispatched and not yet
+released (`LoadTracker`), and the placement plan pushed by the PlacementService. The
+decision itself is `scheduler.routing.RoutingPolicy`.
+
+A worker whose stats call fails with RayActorError (it died) is removed from routing; one
+that merely stops answering for `max_missed` polls is skipped until it answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from scheduler.placement import ModelLoad, PlacementPlan
+from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
+from scheduler.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+ROUTER_NAME = "tokenmux-router"
+
+
+@dataclass
+class _Worker:
+    handle: Any
+    node_id: str
+    stats: dict | None = None
+    missed: int = 0
+
+
+@ray.remote(num_cpus=0)
+class GlobalRouter:
+    def __init__(self, routing_config: dict | None = None, poll_interval_s: float = 0.5,
+                 stats_timeout_s: float = 2.0, max_missed: int = 10, hot_trigger_interval_s: float = 1.0):
+        if poll_interval_s <= 0 or stats_timeout_s <= 0 or max_missed < 1:
+            raise ValueError("poll_interval_s and stats_timeout_s must be > 0, max_missed >= 1")
+        self._policy = RoutingPolicy(RoutingConfig(**(routing_config or {})))
+        self._poll_interval_s = poll_interval_s
+        self._stats_timeout_s = stats_timeout_s
+        self._max_missed = max_missed
+        self._hot_trigger_interval_s = hot_trigger_interval_s
+        self._workers: dict[str, _Worker] = {}
+        self._tracker = LoadTracker()
+        self._plan: PlacementPlan | None = None
+        self._placement = None              # PlacementService handle, told when a model runs hot
+        self._last_hot_trigger: dict[str, float] = {}
+        self._poller: asyncio.Task | None = None
+
+    # ---- membership ------------------------------------------------------------------
+
+    async def add_worker(self, worker_id: str, handle, node_id: str) -> None:
+        if not worker_id:
+            raise ValueError("worker_id must be non-empty")
+        self._ensure_poller()
+        self._workers[worker_id] = _Worker(handle=handle, node_id=node_id)
+        await self._refresh(worker_id)     # routable at once, with real stats
+        logger.info("router: worker %s on node %s added", worker_id, node_id)
+
+    async def remove_worker(self, worker_id: str) -> bool:
+        return self._remove(worker_id, "removed")
+
+    async def report_stats(self, stats: dict) -> None:
+        """Callback from a worker: fresher stats than the next poll."""
+        entry = self._workers.get(stats.get("worker_id"))
+        if entry is not None:
+            entry.stats, entry.missed = stats, 0
+
+    async def report_failure(self, worker_id: str) -> bool:
+        """The caller saw a call to this worker fail; check it now. True if it was removed."""
+        if worker_id not in self._workers:
+            return False
+        await self._refresh(worker_id)
+        return worker_id not in self._workers
+
+    # ---- routing ---------------------------------------------------------------------
+
+    async def pick(self, model: str, slo: dict | None = None) -> tuple[str, Any]:
+        """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError."""
+        self._ensure_poller()
+        views = self._views()
+        worker_id = self._policy.pick(model, views, SLO(**slo) if slo else None, self._plan)
+        self._tracker.dispatched(worker_id, model, time.monotonic())
+        self._maybe_scale_out(model, views)
+        return worker_id, self._workers[worker_id].handle
+
+    async def pick_decode(self, model: str, slo: dict | None = None) -> tuple[str, Any]:
+        """Decode worker to hand a prefilled request's KV to (the KV handoff target)."""
+        worker_id = self._policy.pick_decode(model, self._views(), SLO(**slo) if slo else None, self._plan)
+        return worker_id, self._workers[worker_id].handle
+
+    async def release(self, worker_id: str, model: str) -> None:
+        if not self._tracker.released(worker_id, model):
+            logger.debug("router: release of %s on %s with nothing in flight", model, worker_id)
+
+    # ---- placement -------------------------------------------------------------------
+
+    async def set_plan(self, plan: dict) -> None:
+        self._plan = PlacementPlan.from_dict(plan)
+
+    async def plan(self) -> dict | None:
+        return self._plan.to_dict() if self._plan else None
+
+    async def attach_placement(self, handle) -> None:
+        self._placement = handle
+
+    async def worker_handles(self) -> dict[str, Any]:
+        return {wid: w.handle for wid, w in self._workers.items()}
+
+    async def load_report(self) -> dict:
+        """What the PlacementService plans from: worker views and per-model load."""
+        views = self._views()
+        now = time.monotonic()
+        queued: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for entry in self._workers.values():
+            for key, acc in (("queue_depth", queued), ("running", running)):
+                for m, n in ((entry.stats or {}).get(key) or {}).items():
+                    acc[m] = acc.get(m, 0) + int(n)
+        pending = self._tracker.pending()
+        load = {}
+        for m in set(queued) | set(running) | self._tracker.models():
+            q, r = queued.get(m, 0), running.get(m, 0)
+            # Dispatched but not yet seen by a worker counts as queued.
+            q += max(0, pending.get(m, 0) - q - r)
+            load[m] = ModelLoad(self._tracker.rate(m, now), q, r).__dict__
+        return {"workers": [v.to_dict() for v in views], "load": load}
+
+    async def status(self) -> dict:
+        views = self._views()
+        return {
+            "workers": {v.worker_id: v.to_dict() for v in views},
+            "pending": self._tracker.pending(),
+            "servable": self._policy.servable(views, self._plan),
+            "plan_version": self._plan.version if self._plan else None,
+        }
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _views(self) -> list[WorkerView]:
+        cached_on_node: dict[str, set[str]] = {}
+        for entry in self._workers.values():
+            if entry.stats:
+                cached_on_node.setdefault(entry.node_id, set()).update(entry.stats.get("registered", ()))
+        views = []
+        for wid, entry in self._workers.items():
+            if entry.stats is None:
+                continue
+            stats = {**entry.stats, "worker_id": wid, "node_id": entry.node_id}
+            views.append(WorkerView.from_stats(
+                stats, host_cached=cached_on_node.get(entry.node_id, ()),
+                extra_load=self._tracker.inflight(wid), alive=entry.missed < self._max_missed))
+        return views
+
+    def _maybe_scale_out(self, model: str, views: list[WorkerView]) -> None:
+        if self._placement is None or not self._policy.is_hot(model, views, self._plan):
+            return
+        now = time.monotonic()
+        if now - self._last_hot_trigger.get(model, -1e9) >= self._hot_trigger_interval_s:
+            self._last_hot_trigger[model] = now
+            logger.info("router: every worker of %s is hot; asking placement to replan", model)
+            self._placement.replan.remote()   # fire and forget: the new plan comes back via set_plan
+
+    def _remove(self, worker_id: str, why: str) -> bool:
+        entry = self._workers.pop(worker_id, None)
+        if entry is None:
+            return False
+        lost = self._tracker.forget_worker(worker_id)
+        logger.warning("router: worker %s %s (in flight there: %s)", worker_id, why, lost or "none")
+        return True
+
+    async def _refresh(self, worker_id: str) -> None:
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return
+        try:
+            stats = await asyncio.wait_for(entry.handle.stats.remote(), self._stats_timeout_s)
+        except (asyncio.TimeoutError, ActorUnavailableError):
+            entry.missed += 1
+            return
+        except RayActorError:
+            if self._workers.get(worker_id) is entry:
+                self._remove(worker_id, "died")
+            return
+        if self._workers.get(worker_id) is entry:
+            entry.stats, entry.missed = stats, 0
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await asyncio.gather(*(self._refresh(wid) for wid in list(self._workers)))
+            except Exception:   # never let one bad poll end polling
+                logger.exception("router: stats poll failed")
+            await asyncio.sleep(self._poll_interval_s)
+
+
+def get_or_create_router(detached: bool = False, **kwargs):
+    """The cluster's router: the named actor if it exists, else a new one."""
+    options = {"name": ROUTER_NAME, "get_if_exists": True}
+    if detached:
+        options["lifetime"] = "detached"
+    return GlobalRouter.options(**options).remote(**kwargs)
+
+
+__all__ = ["GlobalRouter", "NoWorkerError", "ROUTER_NAME", "get_or_create_router"]

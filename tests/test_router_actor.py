@@ -1,0 +1,199 @@
+"""GlobalRouter and PlacementService as Ray actors, with small fake DeviceWorkers.
+
+The fakes below stand in for the DeviceWorker only (stats/register/unregister/set_role);
+the router and the placement service under test are the real actors.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from scheduler.routing import NoWorkerError
+
+GB = 1 << 30
+
+
+def _fake_worker_class(ray):
+    @ray.remote(num_cpus=0)
+    class FakeWorker:
+        def __init__(self, worker_id, node_id, slot_bytes=4 * GB, registered=(), resident=()):
+            self.worker_id, self.node_id, self.slot_bytes = worker_id, node_id, slot_bytes
+            self.registered, self.resident = set(registered), set(resident)
+            self.queue, self.role, self.calls = {}, "mixed", []
+
+        def stats(self):
+            return {"worker_id": self.worker_id, "node_id": self.node_id,
+                    "device": {"name": "cpu", "budget_bytes": 2 * self.slot_bytes},
+                    "registered": sorted(self.registered), "resident": sorted(self.resident),
+                    "num_slots": 2, "slot_bytes": self.slot_bytes, "queue_depth": dict(self.queue),
+                    "running": {}, "kv_free_frac": 1.0, "step_time_ema_s": 0.01, "role": self.role}
+
+        def register_model(self, name, path):
+            self.calls.append(("register", name, path))
+            self.registered.add(name)
+            return {"name": name, "weight_bytes": GB}
+
+        def unregister_model(self, name):
+            self.calls.append(("unregister", name))
+            self.registered.discard(name)
+            self.resident.discard(name)
+
+        def set_role(self, role):
+            self.calls.append(("role", role))
+            self.role = role
+
+        def set_queue(self, model, n):
+            self.queue[model] = n
+
+        def get_calls(self):
+            return list(self.calls)
+
+    return FakeWorker
+
+
+def _wait_until(cond, timeout_s=10.0, interval_s=0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval_s)
+    return cond()
+
+
+@pytest.fixture
+def cluster(ray_session):
+    """A router (fast polling) and three fake workers on two nodes; killed afterwards."""
+    ray = ray_session
+    from actors.router import GlobalRouter
+
+    FakeWorker = _fake_worker_class(ray)
+    router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=2.0)
+    workers = {
+        "w0": FakeWorker.remote("w0", "n0", registered=("a", "b"), resident=("a",)),
+        "w1": FakeWorker.remote("w1", "n0", registered=("a",)),
+        "w2": FakeWorker.remote("w2", "n1", registered=("a", "c")),
+    }
+    ray.get([router.add_worker.remote(wid, h, "n1" if wid == "w2" else "n0") for wid, h in workers.items()])
+    yield ray, router, workers
+    for handle in [router, *workers.values()]:
+        ray.kill(handle)
+
+
+def test_pick_prefers_resident_worker_and_release_clears_pending(cluster):
+    ray, router, workers = cluster
+    wid, handle = ray.get(router.pick.remote("a"))
+    assert wid == "w0"
+    assert ray.get(handle.stats.remote())["worker_id"] == "w0"   # the handle is the worker's own
+    assert ray.get(router.status.remote())["pending"] == {"a": 1}
+    ray.get(router.release.remote("w0", "a"))
+    assert ray.get(router.status.remote())["pending"] == {}
+
+
+def test_unknown_model_raises_no_worker_error_naming_servable_models(cluster):
+    ray, router, _ = cluster
+    with pytest.raises(NoWorkerError, match="a, b, c"):
+        ray.get(router.pick.remote("nope"))
+
+
+def test_load_spreads_when_the_resident_worker_is_busy(cluster):
+    ray, router, workers = cluster
+    ray.get(workers["w0"].set_queue.remote("a", 200))   # 200 x 10 ms queue: no TTFT headroom left
+    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 200)
+    picked = [ray.get(router.pick.remote("a", {"ttft_s": 2.0, "tbt_s": 0.1}))[0] for _ in range(6)]
+    assert "w0" not in picked and set(picked) == {"w1", "w2"}
+
+
+def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
+    ray, router, workers = cluster
+    assert ray.get(router.pick.remote("a"))[0] == "w0"
+    ray.kill(workers["w0"])
+    assert _wait_until(lambda: "w0" not in ray.get(router.status.remote())["workers"])
+    picked = {ray.get(router.pick.remote("a"))[0] for _ in range(5)}
+    assert picked <= {"w1", "w2"} and picked
+    status = ray.get(router.status.remote())
+    assert "b" not in status["servable"]   # only w0 held it
+    with pytest.raises(NoWorkerError, match="a, c"):
+        ray.get(router.pick.remote("b"))
+
+
+def test_report_failure_removes_a_dead_worker_at_once(ray_session):
+    ray = ray_session
+    from actors.router import GlobalRouter
+
+    FakeWorker = _fake_worker_class(ray)
+    router = GlobalRouter.remote(poll_interval_s=60.0)   # no poll will notice in time
+    w0, w1 = FakeWorker.remote("w0", "n0", registered=("a",)), FakeWorker.remote("w1", "n0", registered=("a",))
+    try:
+        ray.get([router.add_worker.remote("w0", w0, "n0"), router.add_worker.remote("w1", w1, "n0")])
+        ray.kill(w0)
+        assert _wait_until(lambda: ray.get(router.report_failure.remote("w0")) or
+                           "w0" not in ray.get(router.status.remote())["workers"])
+        assert all(ray.get(router.pick.remote("a"))[0] == "w1" for _ in range(3))
+        assert not ray.get(router.report_failure.remote("w1"))
+    finally:
+        for h in (router, w1):
+            ray.kill(h)
+
+
+def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(cluster):
+    ray, router, workers = cluster
+    from actors.placement_service import PlacementService
+
+    models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b", "c", "d")}
+    config = {"scale_out_load": 8, "scale_in_load": 2, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}
+    placement = PlacementService.remote(models=models, config=config, interval_s=60.0, router=router)
+    try:
+        plan = ray.get(placement.replan.remote())
+        assert set(plan["assignments"]) == {"a", "b", "c", "d"}
+        assert ray.get(router.plan.remote())["version"] == plan["version"]
+        # Each worker now holds exactly the models the plan gives it (registered or unregistered to match).
+        for wid, handle in workers.items():
+            want = {m for m, ws in plan["assignments"].items() if wid in ws}
+            assert set(ray.get(handle.stats.remote())["registered"]) == want
+        d_holder = plan["assignments"]["d"][0]
+        assert ("register", "d", "/models/d") in ray.get(workers[d_holder].get_calls.remote())
+        # The router routes by the plan: `d` goes to its planned worker.
+        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][d_holder]["registered"].count("d") == 1)
+        assert ray.get(router.pick.remote("d"))[0] == d_holder
+        ray.get(router.release.remote(d_holder, "d"))
+
+        # Burst on `a`: its queue grows on its worker; each replan adds one worker.
+        a_holder = plan["assignments"]["a"][0]
+        ray.get(workers[a_holder].set_queue.remote("a", 40))
+        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 40)
+        sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
+        assert sizes == [2, 3, 3]
+        assert all("a" in ray.get(h.stats.remote())["registered"] for h in workers.values())
+        # Burst over: it shrinks back to one worker.
+        ray.get(workers[a_holder].set_queue.remote("a", 0))
+        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 0)
+        sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
+        assert sizes[-1] == 1
+        assert ray.get(placement.plan.remote())["assignments"]["a"] == [a_holder]
+    finally:
+        ray.kill(placement)
+
+
+def test_placement_service_splits_roles_under_load(cluster):
+    ray, router, workers = cluster
+    from actors.placement_service import PlacementService
+
+    models = {"a": {"path": "/models/a", "weight_bytes": GB}}
+    placement = PlacementService.remote(models=models, config={"split_load": 10, "merge_load": 1}, router=router)
+    try:
+        assert not ray.get(placement.replan.remote())["split"]
+        ray.get(workers["w0"].set_queue.remote("a", 30))
+        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 30)
+        plan = ray.get(placement.replan.remote())
+        assert plan["split"]
+        roles = {wid: ray.get(h.stats.remote())["role"] for wid, h in workers.items()}
+        assert roles == plan["roles"] and set(roles.values()) == {"prefill", "decode"}
+        # New requests go to a prefill worker, the KV handoff target is a decode worker.
+        assert _wait_until(lambda: {v["role"] for v in ray.get(router.status.remote())["workers"].values()}
+                           == {"prefill", "decode"})
+        wid, _ = ray.get(router.pick.remote("a"))
+        assert plan["roles"][wid] == "prefill"
+        assert plan["roles"][ray.get(router.pick_decode.remote("a"))[0]] == "decode"
+    finally:
+        ray.kill(placement)
