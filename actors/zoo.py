@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).with_name("zoo_corpus.txt")
 VOCAB_SIZE = 2048
-SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+SPECIAL_TOKENS = ("<|bos|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 BOS, EOS, PAD, IM_START, IM_END = range(len(SPECIAL_TOKENS))  # ids: specials come first
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -48,7 +48,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MARKER = ".tokenmux-zoo.json"
-ZOO_FORMAT = 1  # bump when the build changes in a way recipes do not show
+ZOO_FORMAT = 2  # bump when the build changes in a way recipes do not show
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
@@ -215,11 +215,21 @@ def _corpus_digest() -> str:
 
 @functools.cache
 def _tokenizer_json() -> str:
-    """The shared byte-level BPE, trained on the shipped corpus (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The shared byte-level BPE, trained on the shipped corpus (deterministic).
+
+    Its pipeline (NFC, Qwen2's split regex, byte-level without its own regex) is the one
+    transformers rebuilds for every qwen2 checkpoint from vocab and merges, so the
+    tokenizer behaves the same whichever architecture's checkpoint it ships in.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
