@@ -1,0 +1,74 @@
+"""Aegaeon's decode quota rule, as a pure function.
+
+Decode batches of different models take turns on one device, in rounds. Batch i runs
+for its quota q_i, then the device switches to the next batch. Derivation:
+
+  d_i    predicted decode step time of batch i; TBT_i its time-between-tokens SLO
+  n_i    = TBT_i / d_i, how many steps of batch i fit in one TBT budget
+  c0     sum of the switch times paid in one round
+  T      = c0 + sum_j q_j, the length of a round
+
+  In a round batch i emits q_i / d_i tokens, so its mean TBT is T * d_i / q_i. Asking every
+  batch for the same fraction alpha of its SLO, T * d_i / q_i = alpha * TBT_i = alpha * n_i * d_i,
+  gives q_i = T / (alpha * n_i). Summing over i: T - c0 = (T / alpha) * S with S = sum_j 1/n_j,
+  so T = c0 * alpha / (alpha - S) and
+
+      q_i = c0 / (n_i * (alpha - S))          (needs alpha > S)
+
+  The largest quota belongs to the smallest n_i; capping it at Q_max gives
+  alpha >= c0 / (min_i n_i * Q_max) + S. Going below alpha = 0.5 buys nothing a user
+  notices (tokens already come twice as fast as promised) and only multiplies switches, so
+
+      alpha = max(c0 / (min_i n_i * Q_max) + S, 0.5)
+
+  and every batch then sees mean TBT = alpha * TBT_i. alpha > 1 means the device is
+  overloaded: the SLOs cannot all be met, but the rule still shares the device fairly.
+
+Two corner cases the formula does not cover:
+  * c0 == 0 (every model of the round stays resident): switches are free, so short turns
+    cost nothing; each batch gets `min_quota_steps` steps.
+  * one batch alone: nothing to switch to; it runs until other work arrives (quota = inf).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuotaPlan:
+    alpha: float  # mean TBT of each batch / its TBT SLO
+    quotas_s: tuple[float, ...]  # time quota per batch, same order as the inputs
+
+
+def decode_quotas(
+    tbt_slos_s, step_times_s, switch_time_s: float, quota_max_s: float, min_quota_steps: int = 4
+) -> QuotaPlan:
+    """Quotas of the decode batches of one round (see the module docstring for the rule)."""
+    tbt_slos_s = [float(x) for x in tbt_slos_s]
+    step_times_s = [float(x) for x in step_times_s]
+    if not tbt_slos_s or len(tbt_slos_s) != len(step_times_s):
+        raise ValueError(
+            f"need one TBT SLO per step time, got {len(tbt_slos_s)} SLOs and {len(step_times_s)} step times"
+        )
+    if any(not x > 0 for x in tbt_slos_s + step_times_s):
+        raise ValueError("TBT SLOs and step times must be > 0")
+    if not switch_time_s >= 0:
+        raise ValueError(f"switch_time_s must be >= 0, got {switch_time_s!r}")
+    if not quota_max_s > 0:
+        raise ValueError(f"quota_max_s must be > 0, got {quota_max_s!r}")
+    if min_quota_steps < 1:
+        raise ValueError(f"min_quota_steps must be >= 1, got {min_quota_steps!r}")
+
+    n = [slo / d for slo, d in zip(tbt_slos_s, step_times_s)]
+    if len(n) == 1:
+        return QuotaPlan(alpha=1.0 / n[0], quotas_s=(math.inf,))
+    if switch_time_s == 0:
+        quotas = tuple(min_quota_steps * d for d in step_times_s)
+        round_s = sum(quotas)
+        # each batch emits min_quota_steps tokens per round
+        alpha = max(round_s / min_quota_steps / slo for slo in tbt_slos_s)
+        return QuotaPlan(alpha=alpha, quotas_s=quotas)
+    s = sum(1.0 / x for x in n)
+    alpha = max(switch_time_s / (min(n) * quota_max_s) + s, 0.5)
+    return QuotaPlan(alpha=alpha, quotas_s=tuple(switch_time_s / (x * (alpha - s)) for x in n))
