@@ -1,0 +1,163 @@
+"""The protocol the ingress speaks to the serving cluster, and a fake engine for tests.
+
+The ingress never sees workers or the router: it tokenizes, hands a `GenerateRequest`
+to an `EngineClient`, and turns the `OutputFrame`s that come back (several tokens each,
+`text` = detokenized delta, the last one has `finish_reason`) into OpenAI responses.
+The real client (router + workers) is plugged in by `deploy/`'s Serve app; tests plug in
+`FakeEngineClient`, which speaks the same protocol and uses a real tokenizer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+from scheduler.messages import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerateRequest, OutputFrame
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # what clients put in "model"
+    path: str  # local checkpoint directory (holds the tokenizer)
+    max_context: int  # prompt + completion tokens must fit
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("ModelInfo.name must be non-empty")
+        if not self.path:
+            raise ValueError(f"ModelInfo.path must be non-empty (model {self.name!r})")
+        if not isinstance(self.max_context, int) or self.max_context <= 0:
+            raise ValueError(f"ModelInfo.max_context must be a positive integer, got {self.max_context!r}")
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        """Stream the request's output; an `async def` with `yield` satisfies this.
+        Errors should arrive as a frame with finish_reason="error"; the ingress also
+        copes with an exception raised mid-stream."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop generating for a request whose client went away; idempotent."""
+        ...
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def tokenizer(self, model: str) -> Any:
+        """The model's Hugging Face tokenizer (see `TokenizerCache`)."""
+        ...
+
+
+class TokenizerCache:
+    """Loads each model's tokenizer once (AutoTokenizer from its local path) and keeps it."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: str, path: str) -> Any:
+        with self._lock:
+            tok = self._tokenizers.get(model)
+            if tok is None:
+                from transformers import AutoTokenizer
+
+                logger.info("loading tokenizer of %s from %s", model, path)
+                tok = AutoTokenizer.from_pretrained(path)
+                self._tokenizers[model] = tok
+            return tok
+
+
+class FakeEngineClient:
+    """TEST DOUBLE, not an engine: emits the prompt's own token ids, cyclically.
+
+    Output is deterministic (token k = prompt[k % len(prompt)]); it honours max_tokens,
+    stop strings (text is cut before the stop string, as OpenAI does), stop_token_ids and
+    abort. `seen`, `aborted`, `active` and `num_generated` let tests observe it.
+    `fail_after_tokens` makes it fail once that many tokens were sent: with an error
+    frame, or by raising when `fail_by_raising`.
+    """
+
+    worker_id = "fake-0"
+
+    def __init__(self, models: list[ModelInfo], tokens_per_frame: int = 2,
+                 frame_interval_s: float = 0.0, fail_after_tokens: int | None = None,
+                 fail_by_raising: bool = False) -> None:
+        if tokens_per_frame <= 0:
+            raise ValueError(f"tokens_per_frame must be positive, got {tokens_per_frame}")
+        self._models = {m.name: m for m in models}
+        self._tokenizers = TokenizerCache()
+        self.tokens_per_frame = tokens_per_frame
+        self.frame_interval_s = frame_interval_s
+        self.fail_after_tokens = fail_after_tokens
+        self.fail_by_raising = fail_by_raising
+        self.seen: list[GenerateRequest] = []
+        self.aborted: set[str] = set()
+        self.active: set[str] = set()
+        self.num_generated: dict[str, int] = {}
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._models.values())
+
+    def tokenizer(self, model: str) -> Any:
+        info = self._models[model]
+        return self._tokenizers.get(model, info.path)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        self.seen.append(req)
+        self.active.add(req.request_id)
+        try:
+            async for frame in self._frames(req):
+                yield frame
+        finally:
+            self.active.discard(req.request_id)
+
+    async def _frames(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        tok = self.tokenizer(req.model)
+        params = req.sampling_params
+        prompt = req.prompt_token_ids
+        hold_back = max((len(s) for s in params.stop), default=1) - 1
+        output_ids: list[int] = []
+        sent_text = ""
+        while True:
+            await asyncio.sleep(self.frame_interval_s)
+            if req.request_id in self.aborted:
+                return
+            if self.fail_after_tokens is not None and len(output_ids) >= self.fail_after_tokens:
+                if self.fail_by_raising:
+                    raise RuntimeError("fake engine failure")
+                yield OutputFrame(req.request_id, finish_reason=FINISH_ERROR, error="fake engine failure",
+                                  num_prompt_tokens=len(prompt), worker_id=self.worker_id)
+                return
+            new_ids, new_times, finish = [], [], None
+            while len(new_ids) < self.tokens_per_frame and finish is None:
+                token = prompt[len(output_ids) % len(prompt)]
+                output_ids.append(token)
+                new_ids.append(token)
+                new_times.append(time.time())
+                if token in params.stop_token_ids:
+                    finish = FINISH_STOP
+                elif len(output_ids) >= params.max_tokens:
+                    finish = FINISH_LENGTH
+            self.num_generated[req.request_id] = len(output_ids)
+            text = tok.decode(output_ids, skip_special_tokens=True)
+            cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if cuts:
+                text, finish = text[: min(cuts)], FINISH_STOP
+            ready = len(text) if finish else max(len(sent_text), len(text) - hold_back)
+            while ready > len(sent_text) and not finish and text[ready - 1] == "\ufffd":
+                ready -= 1  # an incomplete UTF-8 sequence: wait for its next byte
+            delta, sent_text = text[len(sent_text):ready], text[:ready]
+            yield OutputFrame(req.request_id, token_ids=new_ids, text=delta, token_times=new_times,
+                              finish_reason=finish, num_prompt_tokens=len(prompt),
+                              worker_id=self.worker_id)
+            if finish:
+                return

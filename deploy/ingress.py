@@ -1,0 +1,161 @@
+"""The OpenAI-compatible ingress: a FastAPI app over an injected `EngineClient`.
+
+Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions` (streaming as SSE `data: {...}` chunks ending in
+`data: [DONE]`, or one JSON response). Every error is in the OpenAI shape
+(`deploy/errors.py`). `OpenAIIngress` holds the logic without HTTP so the Serve
+deployment can expose the same stream to in-cluster callers (`generate_frames`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.engine_client import EngineClient
+from deploy.errors import OpenAIError, from_validation_error, invalid, server_error
+from deploy.ingress_config import IngressConfig
+from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deploy.openai_stream import Endpoint, collect_response, sse_stream, stream_chunks
+from deploy.request_builder import build_generate_request
+from scheduler.messages import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_TYPES = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
+_ID_PREFIXES = {"completions": "cmpl", "chat.completions": "chatcmpl"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+
+
+class OpenAIIngress:
+    """Parse, validate, tokenize and stream; no HTTP here."""
+
+    def __init__(self, engine: EngineClient, config: IngressConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or IngressConfig()
+
+    def list_models(self) -> dict:
+        cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
+        return ModelList(data=cards).model_dump()
+
+    async def prepare(self, endpoint: Endpoint, body: bytes | str
+                      ) -> tuple[CompletionRequest | ChatCompletionRequest, GenerateRequest]:
+        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx)."""
+        try:
+            parsed = _REQUEST_TYPES[endpoint].model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
+        # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
+        gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
+        return parsed, gen_req
+
+    async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
+        """Entry point for in-cluster callers (a Serve handle with stream=True).
+
+        `request` = {"endpoint": "completions" | "chat.completions", "body": <OpenAI
+        request body as a dict>}. Yields the same chunk dicts the SSE stream carries
+        (always streamed, always with a final usage chunk); an error is one chunk
+        `{"error": {...}, "status": <http status>}` that ends the stream.
+        """
+        endpoint = request.get("endpoint")
+        try:
+            if endpoint not in _REQUEST_TYPES:
+                raise invalid(f"endpoint must be one of {sorted(_REQUEST_TYPES)}, got {endpoint!r}", param="endpoint")
+            body = dict(request.get("body") or {})
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+            _, gen_req = await self.prepare(endpoint, json.dumps(body))
+        except OpenAIError as e:
+            yield {**e.to_dict(), "status": e.status}
+            return
+        async for chunk in stream_chunks(self.engine, gen_req, endpoint, include_usage=True):
+            yield chunk
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
+    parsed, gen_req = await ingress.prepare(endpoint, await request.body())
+    if parsed.stream:
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
+        chunks = stream_chunks(ingress.engine, gen_req, endpoint, include_usage)
+        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
+    # Non-streaming: race the generation against the client hanging up.
+    result: dict | None = None
+    failure: OpenAIError | None = None
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            await _until_disconnected(request)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await collect_response(ingress.engine, gen_req, endpoint)
+        except OpenAIError as e:  # raised out of the group it would come wrapped in an ExceptionGroup
+            failure = e
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if result is None:
+        logger.info("client left before request %s finished", gen_req.request_id)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(result, headers={"X-Request-Id": gen_req.request_id})
+
+
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status)
+
+
+def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None) -> FastAPI:
+    ingress = OpenAIIngress(engine, config)
+    app = FastAPI(title="tokenmux", summary="OpenAI-compatible API over a token-level multiplexed GPU pool")
+    app.state.ingress = ingress
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(from_validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error_response(OpenAIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the ingress")
+        return _error_response(server_error(f"internal error: {type(e).__name__}"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "num_models": len(engine.models())}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return ingress.list_models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _respond(ingress, "completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _respond(ingress, "chat.completions", request)
+
+    return app

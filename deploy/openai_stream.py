@@ -1,0 +1,134 @@
+"""OutputFrames -> OpenAI chunks (streaming) or one response (non-streaming), and SSE.
+
+One engine frame (several tokens) becomes one chunk; each chunk carries the frame's
+token ids and per-token times under the `tokenmux` key. With
+`stream_options.include_usage` a last chunk with empty `choices` carries `usage`.
+A failure in the engine becomes an `{"error": ...}` chunk ending the stream, never an
+exception through the HTTP layer. If the consumer goes away before the last frame
+(client disconnect, cancelled task, closed generator) the engine is told to abort.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import AsyncIterator, Literal
+
+import anyio
+
+from deploy.engine_client import EngineClient
+from deploy.errors import OpenAIError, server_error
+from deploy.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                    ChatDelta, ChatResponseMessage, CompletionChoice, CompletionResponse,
+                                    TokenmuxExtension, Usage)
+from scheduler.messages import GenerateRequest, OutputFrame
+
+logger = logging.getLogger(__name__)
+
+Endpoint = Literal["completions", "chat.completions"]
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def engine_frames(engine: EngineClient, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+    """The request's frames up to and including the finished one; aborts if left early."""
+    frames = engine.generate(req)
+    finished = False
+    try:
+        async for frame in frames:
+            finished = frame.finished
+            yield frame
+            if finished:
+                break
+    finally:
+        # Shielded: under a cancelled anyio scope (Starlette on disconnect) any await
+        # would be cancelled again before the abort reaches the engine.
+        with anyio.CancelScope(shield=True):
+            if not finished:
+                logger.info("request %s left before it finished: aborting", req.request_id)
+                await engine.abort(req.request_id)
+            await frames.aclose()
+
+
+def _usage(req: GenerateRequest, num_completion_tokens: int) -> Usage:
+    num_prompt_tokens = len(req.prompt_token_ids)
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+def _ext(frame: OutputFrame) -> TokenmuxExtension:
+    return TokenmuxExtension(token_ids=frame.token_ids, token_times=frame.token_times, worker_id=frame.worker_id)
+
+
+def _error_chunk(message: str) -> dict:
+    return server_error(message).to_dict()
+
+
+async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint,
+                        include_usage: bool = False) -> AsyncIterator[dict]:
+    """OpenAI stream chunks as dicts (the SSE payloads, without `[DONE]`)."""
+    created = int(time.time())
+    num_completion_tokens = 0
+    first = True
+    try:
+        async for frame in engine_frames(engine, req):
+            if frame.error is not None:
+                yield _error_chunk(f"generation failed: {frame.error}")
+                return
+            num_completion_tokens += len(frame.token_ids)
+            if endpoint == "completions":
+                chunk = CompletionResponse(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
+                                           choices=[CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)])
+            else:
+                delta = ChatDelta(role="assistant" if first else None, content=frame.text)
+                chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
+                                            choices=[ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)])
+            first = False
+            yield chunk.model_dump()
+    except Exception as e:  # an engine failure is a value in the stream
+        logger.exception("request %s failed in the engine", req.request_id)
+        yield _error_chunk(f"generation failed: {e}")
+        return
+    if include_usage:
+        usage = _usage(req, num_completion_tokens)
+        cls = CompletionResponse if endpoint == "completions" else ChatCompletionChunk
+        yield cls(id=req.request_id, created=created, model=req.model, choices=[], usage=usage).model_dump()
+
+
+async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield sse_event(chunk)
+    yield SSE_DONE
+
+
+async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint) -> dict:
+    """The whole (non-streaming) response; raises a 500 OpenAIError if the engine fails."""
+    text: list[str] = []
+    ext = TokenmuxExtension()
+    finish_reason = None
+    try:
+        async for frame in engine_frames(engine, req):
+            if frame.error is not None:
+                raise server_error(f"generation failed: {frame.error}")
+            text.append(frame.text)
+            ext.token_ids.extend(frame.token_ids)
+            ext.token_times.extend(frame.token_times)
+            ext.worker_id = frame.worker_id or ext.worker_id
+            finish_reason = frame.finish_reason
+    except OpenAIError:
+        raise
+    except Exception as e:
+        logger.exception("request %s failed in the engine", req.request_id)
+        raise server_error(f"generation failed: {e}") from e
+    usage = _usage(req, len(ext.token_ids))
+    created = int(time.time())
+    if endpoint == "completions":
+        choice = CompletionChoice(text="".join(text), finish_reason=finish_reason)
+        return CompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
+                                  usage=usage, tokenmux=ext).model_dump()
+    choice = ChatChoice(message=ChatResponseMessage(content="".join(text)), finish_reason=finish_reason)
+    return ChatCompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
+                                  usage=usage, tokenmux=ext).model_dump()
