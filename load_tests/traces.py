@@ -85,9 +85,12 @@ def _parse_seconds(text: str) -> float:
 
 def _parse_count(text: str, column: str, minimum: int) -> int:
     try:
-        n = int(float(text)) if "." in text else int(text)
+        x = float(text)
+        if not x.is_integer():
+            raise ValueError
     except ValueError:
         raise ValueError(f"{column} {text!r} is not an integer") from None
+    n = int(x)
     if n < minimum:
         raise ValueError(f"{column} must be >= {minimum}, got {n}")
     return n

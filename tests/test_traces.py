@@ -92,6 +92,8 @@ def test_model_mapping():
      2, "not HH:MM:SS"),
     ("Request Time,Model Name,Input Length,Output Length\n00:00:01.0,,5,5\n",
      2, "model name is empty"),
+    ("Request Time,Model Name,Input Length,Output Length\n00:00:01.0,m,5.5,5\n",
+     2, "Input Length '5.5' is not an integer"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,0\n",
      2, "GeneratedTokens must be >= 1"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,10,3\nyesterday,1,1\n",
