@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.kv_blocks import KVShape
+
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -89,9 +91,7 @@ class ModelSpec:
         return Path(self.path).name
 
     @property
-    def kv_shape(self):
-        from scheduler.kv_blocks import KVShape  # lazy: keeps this module importable alone
-
+    def kv_shape(self) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @property

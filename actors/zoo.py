@@ -166,6 +166,9 @@ def ensure_model(name: str, zoo_dir: str | Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if is_built(name, root):
             return target
+        for stale in root.glob(f".{name}.*"):  # staging dirs of builds that were killed
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         staging.chmod(0o755)
         try:

@@ -113,6 +113,18 @@ def test_interrupted_build_is_redone(tmp_path):
     assert _sha256(path / "model.safetensors") == good
 
 
+def test_concurrent_builders_of_one_model_agree(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    stale = tmp_path / ".llama-tiny-b.killed"  # staging dir of a build that died
+    stale.mkdir()
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: zoo.ensure_model("llama-tiny-b", tmp_path), range(3)))
+    assert paths == [tmp_path / "llama-tiny-b"] * 3
+    assert zoo.is_built("llama-tiny-b", tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["llama-tiny-b"]
+
+
 def test_rebuild_from_scratch_gives_identical_weights(tmp_path, zoo_dir):
     again = zoo.ensure_model("llama-tiny-a", tmp_path)
     assert _sha256(again / "model.safetensors") == _sha256(zoo_dir / "llama-tiny-a" / "model.safetensors")
