@@ -1,0 +1,31 @@
+"""Pure scheduling decisions of a tokenmux worker (stdlib only: never imports torch or ray).
+
+What flows through: a GenerateRequest (messages.py) becomes a Request (request.py) and is
+handed to a SchedulingPolicy (policy.py). Each engine step asks `schedule(now)` for a
+SchedulerOutput — one model, the requests to advance, KV swaps to do first, the model to
+prefetch — runs it, and hands the sampled tokens back to `update`, which returns the
+finished requests. KV memory is accounted in blocks of a unified slab pool
+(kv_blocks.py); step and switch times come from the StepLatencyEstimator (estimator.py);
+decode turns are sized by the quota rule (quota.py). Policies: TokenLevelPolicy
+(Aegaeon-style, token_level.py), RequestLevelPolicy (request_level.py) and
+DedicatedPolicy (dedicated.py) share one interface, so the engine and the fleet
+simulator in load_tests/ run any of them unchanged.
+"""
+from scheduler.dedicated import DedicatedPolicy
+from scheduler.estimator import StepLatencyEstimator
+from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
+from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
+from scheduler.quota import QuotaPlan, decode_quotas
+from scheduler.request import Request, RequestStatus
+from scheduler.request_level import RequestLevelPolicy
+from scheduler.sampling_params import SamplingParams
+from scheduler.slo import SLO
+from scheduler.token_level import TokenLevelPolicy
+
+__all__ = [
+    "BLOCK_SIZE", "BlockManager", "DedicatedPolicy", "GenerateRequest", "KVShape", "OutputFrame",
+    "QuotaPlan", "Request", "RequestLevelPolicy", "RequestStatus", "SLO", "SamplingParams",
+    "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy", "StepLatencyEstimator",
+    "TokenLevelPolicy", "blocks_for_tokens", "decode_quotas",
+]

@@ -1,0 +1,355 @@
+"""What every scheduling policy shares; the policies differ only in `_choose` (what runs next).
+
+A step runs one model. Each request in it catches up from num_computed_tokens to num_tokens
+(a prefill step: many tokens per request; a decode step: one). The base class keeps the
+request table, gives every request of a step the blocks for num_tokens (decode grows by one
+block at each 16-token boundary), preempts when the KV pool runs out, and applies the
+sampled tokens in `update`.
+
+Preemption. Only a decode step may preempt; a prefill waits for room (so admission can
+never evict work in flight). The victim is the most recently arrived RUNNING request of any
+model outside the step being built. Its KV is swapped to the host pool when there is one
+(exact: the bytes come back untouched, so greedy output stays bit-identical), else it is
+recomputed: blocks freed, num_computed_tokens = 0, back to the waiting queue, and a later
+prefill step recomputes prompt + generated tokens in one chunk. When nothing outside the
+step can be evicted, the step sheds its own newest requests. add_request refuses a request
+that could not fit alone in the empty pool, so the oldest request of a step always gets its
+blocks: every admitted request finishes or is aborted.
+
+The engine applies a SchedulerOutput in this order: swap_out copies, then swap_in copies,
+then the forward pass. Device blocks freed by a swap-out may be handed to a swap-in or to a
+new request of the same step; host blocks freed by a swap-in are not reused in that step.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.estimator import StepLatencyEstimator
+from scheduler.kv_blocks import BlockManager, KVShape, blocks_for_tokens
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_prefill_group: int = 8  # requests of one model prefilled as a group (amortises a switch)
+    max_prefill_tokens: int = 8192  # token budget of one prefill step (one request may exceed it)
+    max_batch_size: int = 256  # requests in one decode step
+    quota_max_s: float = 4.0  # Q_max of the quota rule
+    min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
+
+    def __post_init__(self) -> None:
+        for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+        if not self.quota_max_s > 0:
+            raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    model: str  # the model this step runs
+    requests: list[Request]  # each advances num_computed_tokens -> num_tokens
+    is_prefill: bool
+    swap_out: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, device, host)
+    swap_in: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, host, device)
+    prefetch_model: str | None = None  # model expected next: start copying its weights now
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    kv_shape: KVShape
+    weight_bytes: int
+
+
+class SchedulingPolicy(ABC):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        config: SchedulerConfig | None = None,
+        estimator: StepLatencyEstimator | None = None,
+        host_block_manager: BlockManager | None = None,
+    ):
+        self.block_manager = block_manager
+        self.host_block_manager = host_block_manager
+        self.config = config or SchedulerConfig()
+        self.estimator = estimator or StepLatencyEstimator()
+        self.models: dict[str, ModelEntry] = {}
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: dict[str, deque[Request]] = {}  # per model, oldest first
+        self.running: dict[str, list[Request]] = {}  # per model: RUNNING or SWAPPED, oldest first
+        self.resident: set[str] = set()  # models whose weights are on the device (engine's hint)
+        self.num_preemptions = 0
+        self._order: dict[str, int] = {}  # request id -> admission number (ties in arrival time)
+        self._next_order = 0
+        self._deferred_host_frees: list[tuple[KVShape, list[int]]] = []
+
+    # -- models and requests -------------------------------------------------------------
+
+    def add_model(self, name: str, kv_shape: KVShape, weight_bytes: int) -> None:
+        if not name:
+            raise ValueError("model name must be non-empty")
+        if name in self.models:
+            raise ValueError(f"model {name!r} is already registered")
+        if self.block_manager.blocks_per_slab(kv_shape) == 0:
+            raise ValueError(f"model {name!r}: one KV block does not fit in a slab of the pool")
+        self.models[name] = ModelEntry(name, kv_shape, weight_bytes)
+        self.waiting[name] = deque()
+        self.running[name] = []
+        self.estimator.register_model(name, weight_bytes)
+
+    def remove_model(self, name: str) -> None:
+        self._entry(name)
+        live = len(self.waiting[name]) + len(self.running[name])
+        if live:
+            raise ValueError(f"model {name!r} still has {live} unfinished requests; abort them first")
+        del self.models[name], self.waiting[name], self.running[name]
+        self.resident.discard(name)
+
+    def set_resident(self, models) -> None:
+        """The engine's hint after each step: models whose weights are on the device now."""
+        self.resident = set(models)
+
+    def add_request(self, request: Request) -> None:
+        entry = self._entry(request.model)
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} must be new (WAITING, nothing computed)")
+        need = blocks_for_tokens(request.max_num_tokens)
+        capacity = self.block_manager.capacity_blocks(entry.kv_shape)
+        if need > capacity:
+            raise ValueError(
+                f"request {request.request_id!r} needs {need} KV blocks for prompt + max_tokens "
+                f"({request.max_num_tokens} tokens) but the pool holds {capacity} for model {request.model!r}"
+            )
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = self._next_order
+        self._next_order += 1
+        self._enqueue_waiting(request)
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED):
+        """Finish a request early (client gone, or a stop string found); frees its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"abort status must be a finished status, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished(self, model: str | None = None) -> int:
+        if model is None:
+            return len(self.requests)
+        return len(self.waiting.get(model, ())) + len(self.running.get(model, ()))
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput | None:
+        """The next step to run, or None when there is nothing to do."""
+        output = self._choose(now)
+        for shape, ids in self._deferred_host_frees:
+            self.host_block_manager.free(shape, ids)
+        self._deferred_host_frees.clear()
+        return output
+
+    @abstractmethod
+    def _choose(self, now: float) -> SchedulerOutput | None:
+        """Pick the step to run next (built with _prefill_step / _decode_step)."""
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        now: float,
+        step_time_s: float = 0.0,
+        switch_time_s: float = 0.0,
+    ) -> list[Request]:
+        """Apply one step's sampled tokens; returns the requests that finished."""
+        live = [r for r in output.requests if self.requests.get(r.request_id) is r]
+        missing = [r.request_id for r in live if r.request_id not in sampled]
+        if missing:
+            raise ValueError(f"no sampled token for requests {missing} of the step")
+        if step_time_s > 0 and output.requests:
+            if output.is_prefill:
+                self.estimator.observe_prefill(
+                    output.model, output.num_new_tokens, len(output.requests), step_time_s)
+            else:
+                context = sum(r.num_tokens for r in output.requests)
+                self.estimator.observe_decode(output.model, len(output.requests), context, step_time_s)
+        if switch_time_s > 0:
+            self.estimator.observe_switch(output.model, switch_time_s)
+        finished = []
+        for request in live:
+            request.num_computed_tokens = request.num_tokens
+            token = int(sampled[request.request_id])
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = request.check_stop(token)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    # -- shared machinery for _choose ----------------------------------------------------
+
+    def _prefill_step(self, model: str, candidates) -> SchedulerOutput | None:
+        """Prefill the longest prefix of `candidates` (WAITING, oldest first) that fits the
+        group size, the token budget and the free blocks. Never preempts."""
+        shape = self.models[model].kv_shape
+        chosen, tokens = [], 0
+        for request in candidates:
+            if len(chosen) == self.config.max_prefill_group:
+                break
+            if chosen and tokens + request.num_new_tokens > self.config.max_prefill_tokens:
+                break
+            ids = self.block_manager.allocate(shape, blocks_for_tokens(request.num_tokens))
+            if ids is None:
+                break
+            request.block_ids = ids
+            chosen.append(request)
+            tokens += request.num_new_tokens
+        if not chosen:
+            return None
+        queue = self.waiting[model]
+        for request in chosen:
+            queue.remove(request)
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+        return SchedulerOutput(model=model, requests=chosen, is_prefill=True)
+
+    def _decode_step(self, model: str) -> SchedulerOutput | None:
+        """One decode step over the model's RUNNING and SWAPPED requests (oldest first),
+        swapping in and preempting as needed."""
+        shape = self.models[model].kv_shape
+        pending = list(self.running[model][: self.config.max_batch_size])
+        protected = {r.request_id for r in pending}
+        output = SchedulerOutput(model=model, requests=[], is_prefill=False)
+        while pending:
+            request = pending[0]
+            if self._grow(request, shape, protected, output):
+                output.requests.append(pending.pop(0))
+                continue
+            # Nothing outside the step can be evicted: shed the step's newest request.
+            shed = pending.pop()
+            protected.discard(shed.request_id)
+            if shed.status is RequestStatus.RUNNING:
+                self._preempt(shed, output)
+        return output if output.requests else None
+
+    def _grow(self, request: Request, shape: KVShape, protected: set[str], output: SchedulerOutput) -> bool:
+        """Give `request` the device blocks for num_tokens, evicting others if need be."""
+        swapped = request.status is RequestStatus.SWAPPED
+        have = 0 if swapped else len(request.block_ids)
+        need = blocks_for_tokens(request.num_tokens) - have
+        while (ids := self.block_manager.allocate(shape, need)) is None:
+            victim = self._pick_victim(protected)
+            if victim is None:
+                return False
+            self._preempt(victim, output)
+        if swapped:
+            host_ids = request.host_block_ids
+            output.swap_in.append((request.request_id, host_ids, ids[: len(host_ids)]))
+            self._deferred_host_frees.append((shape, host_ids))
+            request.host_block_ids = []
+            request.block_ids = ids
+            request.status = RequestStatus.RUNNING
+        else:
+            request.block_ids = request.block_ids + ids
+        return True
+
+    def _pick_victim(self, protected: set[str]) -> Request | None:
+        candidates = [
+            r for reqs in self.running.values() for r in reqs
+            if r.status is RequestStatus.RUNNING and r.request_id not in protected
+        ]
+        return max(candidates, key=self._age_key, default=None)
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        shape = self.models[victim.model].kv_shape
+        self.num_preemptions += 1
+        host = self.host_block_manager
+        host_ids = host.allocate(shape, len(victim.block_ids)) if host is not None else None
+        if host_ids is not None:
+            output.swap_out.append((victim.request_id, victim.block_ids, host_ids))
+            self.block_manager.free(shape, victim.block_ids)
+            victim.block_ids = []
+            victim.host_block_ids = host_ids
+            victim.status = RequestStatus.SWAPPED
+            logger.debug("preempted %s by swap-out", victim.request_id)
+            return
+        self.block_manager.free(shape, victim.block_ids)
+        victim.block_ids = []
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.running[victim.model].remove(victim)
+        self._enqueue_waiting(victim)
+        logger.debug("preempted %s by recompute", victim.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        shape = self.models[request.model].kv_shape
+        if request.block_ids:
+            self.block_manager.free(shape, request.block_ids)
+            request.block_ids = []
+        if request.host_block_ids:
+            self.host_block_manager.free(shape, request.host_block_ids)
+            request.host_block_ids = []
+        if request.status is RequestStatus.WAITING:
+            self.waiting[request.model].remove(request)
+        else:
+            self.running[request.model].remove(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._order.pop(request.request_id, None)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _entry(self, model: str) -> ModelEntry:
+        entry = self.models.get(model)
+        if entry is None:
+            raise ValueError(f"model {model!r} is not registered (known: {sorted(self.models)})")
+        return entry
+
+    def _age_key(self, request: Request) -> tuple[float, int]:
+        return (request.arrival_time, self._order[request.request_id])
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        _insert_sorted(self.waiting[request.model], request, self._age_key)
+
+    def _insert_running(self, request: Request) -> None:
+        _insert_sorted(self.running[request.model], request, self._age_key)
+
+    def _has_decode_work(self, model: str) -> bool:
+        return bool(self.running.get(model))
+
+    def _oldest_waiting_model(self) -> str | None:
+        heads = [q[0] for q in self.waiting.values() if q]
+        return min(heads, key=self._age_key).model if heads else None
+
+    def _oldest_unfinished_model(self) -> str | None:
+        oldest = min(self.requests.values(), key=self._age_key, default=None)
+        return oldest.model if oldest else None
+
+
+def _insert_sorted(seq, item, key) -> None:
+    """Insert keeping `seq` sorted by key (new arrivals go to the end in O(1) in practice)."""
+    k = key(item)
+    i = len(seq)
+    while i > 0 and key(seq[i - 1]) > k:
+        i -= 1
+    seq.insert(i, item)
