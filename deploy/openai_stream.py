@@ -50,7 +50,9 @@ async def engine_frames(engine: EngineClient, req: GenerateRequest) -> AsyncIter
             if not finished:
                 logger.info("request %s left before it finished: aborting", req.request_id)
                 await engine.abort(req.request_id)
-            await frames.aclose()
+            aclose = getattr(frames, "aclose", None)  # async generators have it; other iterators may not
+            if aclose is not None:
+                await aclose()
 
 
 def _usage(req: GenerateRequest, num_completion_tokens: int) -> Usage:

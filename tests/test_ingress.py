@@ -1,6 +1,7 @@
 """The OpenAI-compatible ingress over a fake engine, through a real uvicorn server."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -8,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from deploy.ingress import OpenAIIngress
+from deploy.ingress_config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
                           running_server, wait_until)
 
@@ -258,3 +261,31 @@ def test_client_disconnect_aborts_the_request(stream):
         time.sleep(0.1)
         assert generated < max_tokens
         assert engine.num_generated[request_id] == generated  # it stopped: nothing after the abort
+
+
+def test_unknown_route_is_an_openai_error(http):
+    resp = http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert resp.status_code == 404
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_generate_frames_is_the_stream_for_in_cluster_callers(engine, tok):
+    ingress = OpenAIIngress(engine, IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16))
+
+    async def collect(request: dict) -> list[dict]:
+        return [chunk async for chunk in ingress.generate_frames(request)]
+
+    prompt = "through a handle"
+    chunks = asyncio.run(collect({"endpoint": "completions",
+                                  "body": {"model": MODEL, "prompt": prompt, "max_tokens": 5}}))
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expected_output(tok, tok.encode(prompt), 5)[1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5  # always ends with usage
+    chat = asyncio.run(collect({"endpoint": "chat.completions",
+                                "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 2, "stream": False}}))
+    assert chat[0]["object"] == "chat.completion.chunk" and chat[-1]["usage"]["completion_tokens"] == 2
+    for request, status in [({"endpoint": "completions", "body": {"model": "nope", "prompt": "x"}}, 404),
+                            ({"endpoint": "embeddings", "body": {}}, 400),
+                            ({"endpoint": "completions", "body": {"model": MODEL, "prompt": "x", "n": 2}}, 400)]:
+        [error] = asyncio.run(collect(request))
+        assert error["status"] == status and error["error"]["message"]
