@@ -124,7 +124,7 @@ ZOO: dict[str, Recipe] = _recipes(
            head_dim=32, intermediate_size=384, seed=301),
     Recipe("mistral-tiny-b", "mistral", num_layers=3, hidden_size=128, num_heads=8, num_kv_heads=2,
            head_dim=32, intermediate_size=256, seed=302, rope_theta=1000000.0),
-    # The window equals the context limit, as in real checkpoints that declare one it never bites.
+    # Declares a sliding window (as Mistral 7B v0.1 does), but as long as the context, so it never bites.
     Recipe("mistral-tiny-c", "mistral", num_layers=4, hidden_size=96, num_heads=6, num_kv_heads=3,
            head_dim=16, intermediate_size=256, seed=303, sliding_window=4096, max_position_embeddings=4096),
     Recipe("llama-10m", "llama", num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2,
