@@ -59,3 +59,11 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def zoo_model():
+    """`zoo_model(name) -> Path`: a zoo checkpoint, built once into the default zoo dir."""
+    from actors.zoo import ensure_model
+
+    return ensure_model
