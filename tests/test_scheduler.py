@@ -423,7 +423,7 @@ arrival = st.tuples(
 @given(arrivals=st.lists(arrival, min_size=1, max_size=20), host_slabs=st.sampled_from([0, 2, 16]),
        aborts=st.lists(st.integers(0, 60), max_size=3), seed=st.integers(0, 1000))
 def test_random_workloads_always_finish_and_free_everything(cls, arrivals, host_slabs, aborts, seed):
-    policy = make_policy(cls, num_slabs=5, host_slabs=host_slabs, config=SchedulerConfig(max_prefill_tokens=48))
+    policy = make_policy(cls, num_slabs=3, host_slabs=host_slabs, config=SchedulerConfig(max_prefill_tokens=48))
     engine = FakeEngine(policy)
     if cls is DedicatedPolicy:
         arrivals = [(t, "a", p, m, i) for t, _, p, m, i in arrivals]
