@@ -47,10 +47,13 @@ class EngineClient(Protocol):
         """Stop generating for a request whose client went away; idempotent."""
         ...
 
-    def models(self) -> list[ModelInfo]: ...
+    def models(self) -> list[ModelInfo]:
+        """The models served now. Called from worker threads too: must be thread-safe."""
+        ...
 
     def tokenizer(self, model: str) -> Any:
-        """The model's Hugging Face tokenizer (see `TokenizerCache`)."""
+        """The model's Hugging Face tokenizer (see `TokenizerCache`); called off the event
+        loop, in a worker thread, since the first call may load it from disk."""
         ...
 
 

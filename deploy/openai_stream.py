@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 Endpoint = Literal["completions", "chat.completions"]
 SSE_DONE = "data: [DONE]\n\n"
+_UNFINISHED = "generation failed: the engine ended the stream without a finish reason"
 
 
 def sse_event(data: dict) -> str:
@@ -75,8 +76,10 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
     created = int(time.time())
     num_completion_tokens = 0
     first = True
+    finish_reason = None
     try:
         async for frame in engine_frames(engine, req):
+            finish_reason = frame.finish_reason
             if frame.error is not None:
                 yield _error_chunk(f"generation failed: {frame.error}")
                 return
@@ -93,6 +96,9 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
     except Exception as e:  # an engine failure is a value in the stream
         logger.exception("request %s failed in the engine", req.request_id)
         yield _error_chunk(f"generation failed: {e}")
+        return
+    if finish_reason is None:
+        yield _error_chunk(_UNFINISHED)
         return
     if include_usage:
         usage = _usage(req, num_completion_tokens)
@@ -125,6 +131,8 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
     except Exception as e:
         logger.exception("request %s failed in the engine", req.request_id)
         raise server_error(f"generation failed: {e}") from e
+    if finish_reason is None:
+        raise server_error(_UNFINISHED)
     usage = _usage(req, len(ext.token_ids))
     created = int(time.time())
     if endpoint == "completions":

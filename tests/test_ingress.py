@@ -9,10 +9,12 @@ import time
 import httpx
 import pytest
 
+from deploy.engine_client import FakeEngineClient
 from deploy.ingress import OpenAIIngress
 from deploy.ingress_config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
-                          running_server, wait_until)
+                          running_server, wait_until, zoo_models)
+from scheduler.messages import OutputFrame
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +291,18 @@ def test_generate_frames_is_the_stream_for_in_cluster_callers(engine, tok):
                             ({"endpoint": "completions", "body": {"model": MODEL, "prompt": "x", "n": 2}}, 400)]:
         [error] = asyncio.run(collect(request))
         assert error["status"] == status and error["error"]["message"]
+
+
+class _TruncatingEngine(FakeEngineClient):
+    """An engine whose stream ends without a finished frame (a bug the ingress must report)."""
+
+    async def generate(self, req):
+        yield OutputFrame(req.request_id, token_ids=[5], text="x", token_times=[time.time()])
+
+
+def test_stream_that_ends_unfinished_is_reported_as_an_error():
+    with running_server(_TruncatingEngine(zoo_models())) as url, httpx.Client(base_url=url, timeout=30) as http:
+        body = {"model": MODEL, "prompt": "cut short", "max_tokens": 5}
+        chunks, last = stream_post(http, "/v1/completions", {**body, "stream": True})
+        assert last == "[DONE]" and "without a finish reason" in chunks[-1]["error"]["message"]
+        assert http.post("/v1/completions", json=body).status_code == 500
