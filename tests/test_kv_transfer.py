@@ -1,0 +1,234 @@
+"""KV handoff: the descriptor's wire format and the CPU transports, between real processes."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import msgpack
+import pytest
+import torch
+
+from actors.kv_transfer import (
+    CudaIPCTransport,
+    KVDescriptor,
+    KVTransferError,
+    ObjectStoreTransport,
+    SharedMemoryTransport,
+    choose_transport,
+    make_transport,
+)
+
+LAYOUT = dict(model="tiny-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+
+
+def descriptor(request_id="req-1", block_ids=(5, 2, 7), num_tokens=40, **kw) -> KVDescriptor:
+    return KVDescriptor(request_id=request_id, block_ids=tuple(block_ids), num_tokens=num_tokens,
+                        src_node_id="node-a", src_worker_id="worker-0", **{**LAYOUT, **kw})
+
+
+def random_blocks(desc: KVDescriptor, n: int, seed: int = 0) -> torch.Tensor:
+    """`[n, L, 2, 16, H, D]` of arbitrary bit patterns (NaNs and infinities included)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * desc.block_bytes,), dtype=torch.uint8, generator=g)
+    return raw.view(desc.torch_dtype).view(n, *desc.block_shape)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+# ---- descriptor ---------------------------------------------------------------------
+
+def test_descriptor_round_trips_through_msgpack():
+    desc = descriptor().with_handle("shm", {"path": "/dev/shm/x", "offsets": [0, 96, 192], "raw": b"\x00\xff"})
+    again = KVDescriptor.from_bytes(desc.to_bytes())
+    assert again == desc
+    assert again.block_ids == (5, 2, 7) and again.handle["raw"] == b"\x00\xff"
+    assert again.nbytes == 3 * 3 * 2 * 16 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("data", [
+    b"",
+    b"\xc1garbage",
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"v": 99, "request_id": "r"}),
+    descriptor().to_bytes()[:-5],
+    msgpack.packb({**msgpack.unpackb(descriptor().to_bytes()), "surprise": 1}),
+    msgpack.packb({**msgpack.unpackb(descriptor().to_bytes()), "block_ids": [1, -2, 3]}),
+    msgpack.packb({**msgpack.unpackb(descriptor().to_bytes()), "num_layers": "3"}),
+    msgpack.packb({k: v for k, v in msgpack.unpackb(descriptor().to_bytes()).items() if k != "head_dim"}),
+])
+def test_malformed_descriptor_bytes_are_rejected(data):
+    with pytest.raises(ValueError):
+        KVDescriptor.from_bytes(data)
+
+
+def test_descriptor_rejects_inconsistent_fields():
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        descriptor(num_tokens=33, block_ids=(1, 2))
+    with pytest.raises(ValueError, match="dtype"):
+        descriptor(dtype="float64")
+    with pytest.raises(ValueError, match="duplicates"):
+        descriptor(block_ids=(1, 1, 2))
+    with pytest.raises(ValueError, match="handle"):
+        descriptor().with_handle("shm", {"fn": print})
+
+
+# ---- shared memory, two processes -----------------------------------------------------
+
+def _receive_shm(shm_dir, desc_bytes, dst_block_ids, pool_blocks, queue):
+    desc = KVDescriptor.from_bytes(desc_bytes)
+    transport = SharedMemoryTransport(shm_dir=shm_dir)
+    try:
+        if dst_block_ids is None:
+            out = transport.import_(desc)
+        else:
+            out = torch.zeros((pool_blocks, *desc.block_shape), dtype=desc.torch_dtype)
+            transport.import_(desc, out, dst_block_ids)
+            out = out[dst_block_ids]
+        queue.put(("ok", as_bytes(out)))
+    except KVTransferError as exc:
+        queue.put(("KVTransferError", str(exc)))
+    finally:
+        transport.close()
+
+
+def run_receiver(shm_dir, desc: KVDescriptor, dst_block_ids=None, pool_blocks=0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_receive_shm, args=(str(shm_dir), desc.to_bytes(), dst_block_ids, pool_blocks, queue))
+    proc.start()
+    result = queue.get(timeout=60)
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    return result
+
+
+def test_shm_handoff_to_another_process_preserves_bytes(tmp_path):
+    desc = descriptor()
+    blocks = random_blocks(desc, desc.num_blocks)
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    exported = sender.export(blocks, desc)
+    status, received = run_receiver(tmp_path, exported)
+    assert status == "ok" and received == as_bytes(blocks)
+    sender.release(exported)
+    sender.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shm_handoff_from_a_shared_pool_into_a_pool(tmp_path):
+    desc = descriptor(block_ids=(6, 1, 3))
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    pool = sender.allocate_region(8 * desc.block_bytes).view(desc.torch_dtype).view(8, *desc.block_shape)
+    pool.copy_(random_blocks(desc, 8, seed=1))
+    exported = sender.export(pool, desc, from_pool=True)
+    assert exported.handle["offsets"] == [i * desc.block_bytes for i in (6, 1, 3)]   # read in place
+    status, received = run_receiver(tmp_path, exported, dst_block_ids=[0, 4, 2], pool_blocks=5)
+    assert status == "ok" and received == as_bytes(pool[[6, 1, 3]])
+    sender.release(exported)
+    del pool
+    sender.close()
+
+
+def test_shm_staging_is_reused_after_release(tmp_path):
+    desc = descriptor()
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    first = sender.export(random_blocks(desc, 3), desc)
+    sender.release(first)
+    second = sender.export(random_blocks(desc, 3, seed=2), descriptor(request_id="req-2"))
+    assert second.handle["path"] == first.handle["path"]
+    assert len(list(tmp_path.iterdir())) == 1
+    sender.close()
+
+
+def test_shm_handoff_whose_sender_is_gone_raises_kv_transfer_error(tmp_path):
+    desc = descriptor()
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    exported = sender.export(random_blocks(desc, 3), desc)
+    sender.close()
+    status, message = run_receiver(tmp_path, exported)
+    assert status == "KVTransferError" and "req-1" in message
+
+
+def test_export_rejects_blocks_that_do_not_match_the_descriptor(tmp_path):
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    desc = descriptor()
+    with pytest.raises(ValueError, match="shape"):
+        sender.export(torch.zeros(3, 3, 2, 16, 2, 4, dtype=torch.bfloat16), desc)
+    with pytest.raises(ValueError, match="float32"):
+        sender.export(torch.zeros(3, *desc.block_shape), desc)
+    with pytest.raises(ValueError, match="2 blocks given"):
+        sender.export(random_blocks(desc, 2), desc)
+    with pytest.raises(ValueError, match="outside a pool"):
+        sender.export(random_blocks(desc, 4), desc, from_pool=True)
+    sender.close()
+
+
+# ---- object store, two actors ---------------------------------------------------------
+
+def _actors(ray):
+    @ray.remote(num_cpus=0)
+    class Sender:
+        def __init__(self):
+            self.transport = ObjectStoreTransport()
+
+        def export(self, desc, seed):
+            # Self-contained: the test module is not importable in Ray's workers.
+            g = torch.Generator().manual_seed(seed)
+            raw = torch.randint(0, 256, (desc.nbytes,), dtype=torch.uint8, generator=g)
+            blocks = raw.view(desc.torch_dtype).view(desc.num_blocks, *desc.block_shape)
+            return self.transport.export(blocks, desc), raw.numpy().tobytes()
+
+        def release(self, desc):
+            self.transport.release(desc)
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def __init__(self):
+            self.transport = ObjectStoreTransport(get_timeout_s=20)
+
+        def receive(self, descs):
+            try:
+                out = self.transport.import_(descs[0])
+                return "ok", out.view(-1).view(torch.uint8).numpy().tobytes()
+            except KVTransferError as exc:
+                return "KVTransferError", str(exc)
+
+    return Sender, Receiver
+
+
+def test_object_store_handoff_between_actors_preserves_bytes(ray_session):
+    ray = ray_session
+    Sender, Receiver = _actors(ray)
+    sender, receiver = Sender.remote(), Receiver.remote()
+    desc, sent = ray.get(sender.export.remote(descriptor(), 3))
+    status, received = ray.get(receiver.receive.remote([desc]))
+    assert status == "ok" and received == sent
+    ray.get(sender.release.remote(desc))
+
+    # The msgpack bytes alone carry no ObjectRef: the receiver says so instead of hanging.
+    desc2, _ = ray.get(sender.export.remote(descriptor(request_id="req-2"), 4))
+    status, message = ray.get(receiver.receive.remote([KVDescriptor.from_bytes(desc2.to_bytes())]))
+    assert status == "KVTransferError" and "ObjectRef" in message
+    ray.get(sender.release.remote(desc2))
+    ray.kill(sender)
+    ray.kill(receiver)
+
+
+# ---- choosing -------------------------------------------------------------------------
+
+def test_choose_transport_by_topology():
+    assert choose_transport("node-a", "node-b", "cpu") == "object_store"
+    assert choose_transport("node-a", "node-b", "cuda") == "object_store"
+    assert choose_transport("node-a", "node-a", "cpu") == "shm"
+    expected = "cuda_ipc" if CudaIPCTransport.available() else "shm"
+    assert choose_transport("node-a", "node-a", "cuda") == expected
+    with pytest.raises(ValueError, match="device_kind"):
+        choose_transport("a", "a", "tpu")
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        make_transport("carrier-pigeon")
+
+
+@pytest.mark.skipif(CudaIPCTransport.available(), reason="CUDA IPC is available here")
+def test_cuda_ipc_is_unavailable_cleanly_without_cupy():
+    with pytest.raises(KVTransferError, match="unavailable"):
+        CudaIPCTransport()
