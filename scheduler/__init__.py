@@ -15,6 +15,7 @@ from scheduler.dedicated import DedicatedPolicy
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.policies import make_policy
 from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from scheduler.quota import QuotaPlan, decode_quotas
 from scheduler.request import Request, RequestStatus
@@ -27,5 +28,5 @@ __all__ = [
     "BLOCK_SIZE", "BlockManager", "DedicatedPolicy", "GenerateRequest", "KVShape", "OutputFrame",
     "QuotaPlan", "Request", "RequestLevelPolicy", "RequestStatus", "SLO", "SamplingParams",
     "SchedulerConfig", "SchedulerOutput", "SchedulingPolicy", "StepLatencyEstimator",
-    "TokenLevelPolicy", "blocks_for_tokens", "decode_quotas",
+    "TokenLevelPolicy", "blocks_for_tokens", "decode_quotas", "make_policy",
 ]

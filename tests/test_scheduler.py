@@ -450,3 +450,13 @@ def test_random_workloads_always_finish_and_free_everything(cls, arrivals, host_
         if r.status is RequestStatus.FINISHED_LENGTH:
             assert len(r.output_token_ids) == r.sampling_params.max_tokens
     assert all_free(policy)
+
+
+def test_make_policy_by_name():
+    from scheduler.policies import make_policy
+
+    for name, cls in (("token", TokenLevelPolicy), ("request", RequestLevelPolicy), ("dedicated", DedicatedPolicy)):
+        policy = make_policy(name, BlockManager(4, SLAB), BlockManager(4, SLAB))
+        assert type(policy) is cls and policy.host_block_manager is not None
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        make_policy("fifo", BlockManager(4, SLAB))
