@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -65,8 +65,10 @@ class GlobalRouter:
             raise ValueError("worker_id must be non-empty")
         self._ensure_poller()
         self._workers[worker_id] = _Worker(handle=handle, node_id=node_id)
-        await self._refresh(worker_id)     # routable at once, with real stats
+        # Routable at once, with real stats; a worker still starting up gets longer to answer.
+        await self._refresh(worker_id, timeout_s=max(self._stats_timeout_s, 30.0))
         logger.info("router: worker %s on node %s added", worker_id, node_id)
+        self._ask_replan()
 
     async def remove_worker(self, worker_id: str) -> bool:
         return self._remove(worker_id, "removed")
@@ -134,7 +136,7 @@ class GlobalRouter:
             q, r = queued.get(m, 0), running.get(m, 0)
             # Dispatched but not yet seen by a worker counts as queued.
             q += max(0, pending.get(m, 0) - q - r)
-            load[m] = ModelLoad(self._tracker.rate(m, now), q, r).__dict__
+            load[m] = asdict(ModelLoad(self._tracker.rate(m, now), q, r))
         return {"workers": [v.to_dict() for v in views], "load": load}
 
     async def status(self) -> dict:
@@ -170,7 +172,7 @@ class GlobalRouter:
         if now - self._last_hot_trigger.get(model, -1e9) >= self._hot_trigger_interval_s:
             self._last_hot_trigger[model] = now
             logger.info("router: every worker of %s is hot; asking placement to replan", model)
-            self._placement.replan.remote()   # fire and forget: the new plan comes back via set_plan
+            self._ask_replan()
 
     def _remove(self, worker_id: str, why: str) -> bool:
         entry = self._workers.pop(worker_id, None)
@@ -178,14 +180,19 @@ class GlobalRouter:
             return False
         lost = self._tracker.forget_worker(worker_id)
         logger.warning("router: worker %s %s (in flight there: %s)", worker_id, why, lost or "none")
+        self._ask_replan()   # its models may now have no worker left
         return True
 
-    async def _refresh(self, worker_id: str) -> None:
+    def _ask_replan(self) -> None:
+        if self._placement is not None:
+            self._placement.replan.remote()   # fire and forget: the new plan comes back via set_plan
+
+    async def _refresh(self, worker_id: str, timeout_s: float | None = None) -> None:
         entry = self._workers.get(worker_id)
         if entry is None:
             return
         try:
-            stats = await asyncio.wait_for(entry.handle.stats.remote(), self._stats_timeout_s)
+            stats = await asyncio.wait_for(entry.handle.stats.remote(), timeout_s or self._stats_timeout_s)
         except (asyncio.TimeoutError, ActorUnavailableError):
             entry.missed += 1
             return

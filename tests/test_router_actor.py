@@ -19,6 +19,9 @@ def _fake_worker_class(ray):
     class FakeWorker:
         def __init__(self, worker_id, node_id, slot_bytes=4 * GB, registered=(), resident=()):
             self.worker_id, self.node_id, self.slot_bytes = worker_id, node_id, slot_bytes
+            self.reset(registered, resident)
+
+        def reset(self, registered=(), resident=()):
             self.registered, self.resident = set(registered), set(resident)
             self.queue, self.role, self.calls = {}, "mixed", []
 
@@ -43,6 +46,9 @@ def _fake_worker_class(ray):
             self.calls.append(("role", role))
             self.role = role
 
+        def hang(self, seconds):   # a sync actor answers nothing else meanwhile
+            time.sleep(seconds)
+
         def set_queue(self, model, n):
             self.queue[model] = n
 
@@ -61,23 +67,31 @@ def _wait_until(cond, timeout_s=10.0, interval_s=0.05):
     return cond()
 
 
+INITIAL = {"w0": (("a", "b"), ("a",)), "w1": (("a",), ()), "w2": (("a", "c"), ())}   # registered, resident
+NODE = {"w0": "n0", "w1": "n0", "w2": "n1"}
+
+
+@pytest.fixture(scope="module")
+def fake_workers(ray_session):
+    """Three fake workers on two nodes, shared by the module (actor start-up is slow here)."""
+    FakeWorker = _fake_worker_class(ray_session)
+    workers = {wid: FakeWorker.remote(wid, NODE[wid]) for wid in INITIAL}
+    yield workers
+    for handle in workers.values():
+        ray_session.kill(handle)
+
+
 @pytest.fixture
-def cluster(ray_session):
-    """A router (fast polling) and three fake workers on two nodes; killed afterwards."""
+def cluster(ray_session, fake_workers):
+    """A fresh router (fast polling) over the fake workers, reset to their initial models."""
     ray = ray_session
     from actors.router import GlobalRouter
 
-    FakeWorker = _fake_worker_class(ray)
+    ray.get([h.reset.remote(*INITIAL[wid]) for wid, h in fake_workers.items()])
     router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=2.0)
-    workers = {
-        "w0": FakeWorker.remote("w0", "n0", registered=("a", "b"), resident=("a",)),
-        "w1": FakeWorker.remote("w1", "n0", registered=("a",)),
-        "w2": FakeWorker.remote("w2", "n1", registered=("a", "c")),
-    }
-    ray.get([router.add_worker.remote(wid, h, "n1" if wid == "w2" else "n0") for wid, h in workers.items()])
-    yield ray, router, workers
-    for handle in [router, *workers.values()]:
-        ray.kill(handle)
+    ray.get([router.add_worker.remote(wid, h, NODE[wid]) for wid, h in fake_workers.items()])
+    yield ray, router, fake_workers
+    ray.kill(router)
 
 
 def test_pick_prefers_resident_worker_and_release_clears_pending(cluster):
@@ -106,34 +120,40 @@ def test_load_spreads_when_the_resident_worker_is_busy(cluster):
 
 def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
     ray, router, workers = cluster
-    assert ray.get(router.pick.remote("a"))[0] == "w0"
-    ray.kill(workers["w0"])
-    assert _wait_until(lambda: "w0" not in ray.get(router.status.remote())["workers"])
-    picked = {ray.get(router.pick.remote("a"))[0] for _ in range(5)}
-    assert picked <= {"w1", "w2"} and picked
+    doomed = _fake_worker_class(ray).remote("w3", "n1", registered=("a", "e"), resident=("a",))
+    ray.get(router.add_worker.remote("w3", doomed, "n1"))
+    ray.get(workers["w0"].set_queue.remote("a", 3))   # so w3 (resident, idle) is the best for `a`
+    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 3)
+    assert ray.get(router.pick.remote("a"))[0] == "w3"
+    ray.kill(doomed)
+    assert _wait_until(lambda: "w3" not in ray.get(router.status.remote())["workers"])
     status = ray.get(router.status.remote())
-    assert "b" not in status["servable"]   # only w0 held it
-    with pytest.raises(NoWorkerError, match="a, c"):
-        ray.get(router.pick.remote("b"))
+    assert status["pending"] == {}          # its in-flight request is forgotten with it
+    assert "e" not in status["servable"]    # only w3 held it
+    picked = {ray.get(router.pick.remote("a"))[0] for _ in range(5)}
+    assert picked and picked <= {"w0", "w1", "w2"}
+    with pytest.raises(NoWorkerError, match="a, b, c"):
+        ray.get(router.pick.remote("e"))
 
 
-def test_report_failure_removes_a_dead_worker_at_once(ray_session):
+def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers):
     ray = ray_session
     from actors.router import GlobalRouter
 
-    FakeWorker = _fake_worker_class(ray)
+    ray.get(fake_workers["w1"].reset.remote(("a",)))
     router = GlobalRouter.remote(poll_interval_s=60.0)   # no poll will notice in time
-    w0, w1 = FakeWorker.remote("w0", "n0", registered=("a",)), FakeWorker.remote("w1", "n0", registered=("a",))
+    doomed = _fake_worker_class(ray).remote("w3", "n0", registered=("a",), resident=("a",))
     try:
-        ray.get([router.add_worker.remote("w0", w0, "n0"), router.add_worker.remote("w1", w1, "n0")])
-        ray.kill(w0)
-        assert _wait_until(lambda: ray.get(router.report_failure.remote("w0")) or
-                           "w0" not in ray.get(router.status.remote())["workers"])
+        ray.get([router.add_worker.remote("w3", doomed, "n0"),
+                 router.add_worker.remote("w1", fake_workers["w1"], "n0")])
+        assert ray.get(router.pick.remote("a"))[0] == "w3"
+        ray.kill(doomed)
+        assert _wait_until(lambda: ray.get(router.report_failure.remote("w3")) or
+                           "w3" not in ray.get(router.status.remote())["workers"])
         assert all(ray.get(router.pick.remote("a"))[0] == "w1" for _ in range(3))
         assert not ray.get(router.report_failure.remote("w1"))
     finally:
-        for h in (router, w1):
-            ray.kill(h)
+        ray.kill(router)
 
 
 def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(cluster):
@@ -197,3 +217,25 @@ def test_placement_service_splits_roles_under_load(cluster):
         assert plan["roles"][ray.get(router.pick_decode.remote("a"))[0]] == "decode"
     finally:
         ray.kill(placement)
+
+
+def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake_workers):
+    ray = ray_session
+    from actors.router import GlobalRouter
+
+    ray.get(fake_workers["w1"].reset.remote(("a",)))
+    router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=0.2, max_missed=2)
+    slow = _fake_worker_class(ray).remote("w3", "n0", registered=("a",), resident=("a",))
+    try:
+        ray.get([router.add_worker.remote("w3", slow, "n0"),
+                 router.add_worker.remote("w1", fake_workers["w1"], "n0")])
+        assert ray.get(router.pick.remote("a"))[0] == "w3"
+        hung = slow.hang.remote(4.0)
+        assert _wait_until(lambda: not ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert ray.get(router.pick.remote("a"))[0] == "w1"
+        ray.get(hung)
+        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert ray.get(router.pick.remote("a"))[0] == "w3"
+    finally:
+        for h in (router, slow):
+            ray.kill(h)
