@@ -239,3 +239,22 @@ def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake
     finally:
         for h in (router, slow):
             ray.kill(h)
+
+
+def test_started_placement_replans_by_itself_and_follows_a_burst(cluster):
+    ray, router, workers = cluster
+    from actors.placement_service import PlacementService
+
+    models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b")}
+    config = {"scale_out_load": 4, "scale_in_load": 1, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}
+    placement = PlacementService.remote(models=models, config=config, interval_s=0.2, router=router)
+    try:
+        ray.get(placement.start.remote())
+        assert _wait_until(lambda: ray.get(router.plan.remote()) is not None)   # no replan was asked for
+        a_holder = ray.get(router.plan.remote())["assignments"]["a"][0]
+        ray.get(workers[a_holder].set_queue.remote("a", 30))
+        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 3)
+        ray.get(workers[a_holder].set_queue.remote("a", 0))
+        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 1)
+    finally:
+        ray.kill(placement)
