@@ -16,6 +16,7 @@ fallback when registration is refused. On CPU hosts nothing is pinned.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import logging
@@ -106,6 +107,14 @@ class HostWeightCache:
         for model in list(self._mapped):
             self._release(model)
 
+    def __del__(self) -> None:
+        # A registration must end before its mapping does: a later mmap at the same address
+        # would otherwise be refused by cudaHostRegister ("already registered").
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass
+
     def _release(self, model: str) -> None:
         m = self._mapped.pop(model, None)
         if m is not None and m.registered:
@@ -188,8 +197,20 @@ def _pin(flat: torch.Tensor, model: str) -> tuple[torch.Tensor, bool]:
     err = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
     if int(err) == 0:
         return flat, True
+    _clear_cuda_error()
     logger.warning("host cache: cudaHostRegister refused for %s (error %s); using a private pinned copy",
                    model, int(err))
     pinned = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
     pinned.copy_(flat)
     return pinned, False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last-error after a refused registration; left set, torch would
+    report it from its next unrelated CUDA call. torch's cudart bindings lack cudaGetLastError,
+    so it is looked up in the libcudart torch already loaded (dlopen by soname reuses it)."""
+    try:
+        major = torch.version.cuda.split(".")[0]
+        ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+    except (OSError, AttributeError) as e:
+        logger.warning("host cache: could not reset the CUDA error state (%s)", e)

@@ -229,3 +229,18 @@ def test_gpu_swap_prefetch_and_pinned_host_cache(models, prefix):
     for name in ("b", "c"):
         assert slots.params(name)["model.norm.weight"].device.type == "cuda"
         _assert_exact(slots.params(name), models[name])
+
+
+@pytest.mark.gpu
+def test_refused_registration_falls_back_to_a_pinned_copy_and_leaves_cuda_usable(models, prefix):
+    from actors.host_cache import _pin
+
+    cache = HostWeightCache(prefix=prefix)
+    cache.add("a", WeightLayout.from_dir(models["a"]))
+    flat = cache.flat("a")                       # registered by the cache
+    copy, registered = _pin(flat, "a")           # a second registration of the same range is refused
+    assert not registered and copy.is_pinned() and copy.data_ptr() != flat.data_ptr()
+    assert torch.equal(copy, flat)
+    x = torch.ones(1024, device="cuda") * 2      # the refusal did not poison later CUDA calls
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 2048.0
