@@ -149,6 +149,8 @@ class RoutingConfig:
     default_weight_bytes: int = 1 << 30  # weight size assumed when the plan does not say
     headroom_frac: float = 0.5        # predicted delay must stay under this share of TTFT SLO
     hot_load: int = 8                 # per-worker load of a model above which it is "hot"
+    kv_full_frac: float = 0.05        # below this free KV share, new requests wait for others to end
+    kv_full_penalty: float = 4.0      # ... which multiplies their queueing delay
 
     def __post_init__(self) -> None:
         if self.swap_bytes_per_s <= 0 or self.load_bytes_per_s <= 0:
@@ -161,6 +163,8 @@ class RoutingConfig:
             raise ValueError(f"headroom_frac must be in (0, 1], got {self.headroom_frac!r}")
         if self.hot_load < 1:
             raise ValueError(f"hot_load must be >= 1, got {self.hot_load!r}")
+        if not 0.0 <= self.kv_full_frac <= 1.0 or self.kv_full_penalty < 1.0:
+            raise ValueError("need 0 <= kv_full_frac <= 1 and kv_full_penalty >= 1")
 
 
 class RoutingPolicy:
@@ -191,8 +195,7 @@ class RoutingPolicy:
         switch = 0.0 if tier == RESIDENT else nbytes / (
             cfg.swap_bytes_per_s if tier == HOST_CACHED else cfg.load_bytes_per_s)
         step = view.step_time_s or cfg.default_step_s
-        # A full KV pool makes new requests wait for others to finish.
-        kv_penalty = 1.0 if view.kv_free_frac > 0.05 else 4.0
+        kv_penalty = cfg.kv_full_penalty if view.kv_free_frac < cfg.kv_full_frac else 1.0
         return switch + view.load * step * kv_penalty
 
     def pick(self, model: str, views: Iterable[WorkerView], slo: SLO | None = None,

@@ -91,6 +91,13 @@ def test_slo_headroom_moves_work_off_an_overloaded_resident_worker():
     assert policy.pick("a", views, SLO(ttft_s=60.0), plan) == "w0"
 
 
+def test_a_worker_with_a_full_kv_pool_is_avoided():
+    policy = RoutingPolicy(RoutingConfig(default_step_s=0.1))
+    views = [view("w0", resident=("a",), load={"a": 10}, kv_free_frac=0.01),
+             view("w1", resident=("a",), load={"a": 20})]
+    assert policy.pick("a", views, SLO(ttft_s=2.0)) == "w1"
+
+
 def test_when_nothing_has_headroom_the_lowest_predicted_delay_wins():
     policy = RoutingPolicy(RoutingConfig(default_step_s=0.1))
     views = [view("w0", resident=("a",), load={"a": 50}), view("w1", resident=("a",), load={"a": 30})]
