@@ -91,7 +91,7 @@ def paged_attention(
     q           # [T, Hq, D] new tokens of all sequences, packed in chunk order
     kv_blocks   # [num_blocks * L * 2, 16 * Hkv * D] the pool, one row per (block, layer, K|V)
     block_rows  # [2 * B * NB] rows of this layer's K blocks then V blocks, per sequence
-    mask        # [B, 1, G * Tq, NB * 16] True = may attend (causal, context length, window)
+    mask        # [B, 1, G * Tq, NB * 16] additive: 0 = may attend (causal, window), -inf = not
     batch_shape (B, Tq): sequences and the longest chunk
     token_index (seq, offset) of each packed token in the [B, Tq] grid; None when every
                 chunk has Tq tokens (decode), so packing is a plain view

@@ -41,7 +41,7 @@ class _Step:
     positions: torch.Tensor     # [T]
     slot_rows: torch.Tensor     # [T] row of each new token's K in the per-token pool view, layer 0
     block_rows: torch.Tensor    # [2 * B * NB] K then V block rows of every sequence, layer 0
-    mask: torch.Tensor          # [B, 1, G * Tq, NB * 16]
+    mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
     batch_shape: tuple[int, int]
     token_index: tuple[torch.Tensor, torch.Tensor] | None
@@ -61,8 +61,10 @@ class ModelRunner:
         """# -> [B, vocab] float32 logits of each chunk's last token."""
         spec = self.spec
         kv_tokens, kv_blocks = self._pool_views(kv)
-        step = self._prepare(chunks, kv.shape[0] * kv.shape[1])
         embed = params["model.embed_tokens.weight"]
+        if kv.dtype != embed.dtype:
+            raise ValueError(f"kv dtype {kv.dtype} differs from the weights' dtype {embed.dtype}")
+        step = self._prepare(chunks, kv.shape[0] * kv.shape[1], embed.dtype)
         x = F.embedding(step.input_ids, embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(step.positions, x.dtype)
         T, H, Hkv, D = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -96,7 +98,7 @@ class ModelRunner:
         row = spec.num_kv_heads * spec.head_dim
         return kv.view(-1, row), kv.view(-1, BLOCK_SIZE * row)
 
-    def _prepare(self, chunks: list[SeqChunk], num_blocks: int) -> _Step:
+    def _prepare(self, chunks: list[SeqChunk], num_blocks: int, params_dtype: torch.dtype) -> _Step:
         if not chunks:
             raise ValueError("forward needs at least one chunk")
         L2 = self.spec.num_layers * 2
@@ -145,14 +147,16 @@ class ModelRunner:
             positions=positions_t,
             slot_rows=slot_rows_t,
             block_rows=block_rows_t,
-            mask=self._mask(start_t, Tq, NB * BLOCK_SIZE),
+            mask=self._mask(start_t, Tq, NB * BLOCK_SIZE, params_dtype),
             last_index=last_t,
             batch_shape=(B, Tq),
             token_index=None if uniform else (seq_t, offset_t),
         )
 
-    def _mask(self, start: torch.Tensor, Tq: int, S: int) -> torch.Tensor:
-        """# [B, 1, G * Tq, S]: key position <= query position, inside the sliding window.
+    def _mask(self, start: torch.Tensor, Tq: int, S: int, dtype: torch.dtype) -> torch.Tensor:
+        """# [B, 1, G * Tq, S] additive: 0 where the key position <= the query position (and
+        inside the sliding window), -inf elsewhere. Additive once per step rather than
+        boolean, which attention would convert in every layer.
 
         Rows of padding queries (t >= chunk length) are computed and thrown away; they still
         see key 0, so softmax never divides by zero.
@@ -163,7 +167,8 @@ class ModelRunner:
         if self.spec.sliding_window is not None:
             allowed &= k_pos > q_pos[:, :, None] - self.spec.sliding_window
         B = start.shape[0]
-        return allowed[:, None, None].expand(B, 1, self.group, Tq, S).reshape(B, 1, self.group * Tq, S)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
+        return additive[:, None, None].expand(B, 1, self.group, Tq, S).reshape(B, 1, self.group * Tq, S)
 
 
 def _bias(params: dict[str, torch.Tensor], name: str | None) -> torch.Tensor | None:
