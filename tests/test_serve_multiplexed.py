@@ -1,0 +1,121 @@
+"""The Ray Serve multiplexing peer: real transformers models, real Serve routing and LRU swaps."""
+import asyncio
+import time
+from collections import defaultdict
+
+import pytest
+
+from load_tests.driver import run
+from load_tests.peers.serve_multiplexed import MultiplexedTarget, build_multiplexed_app, start_multiplexed
+from load_tests.workloads import FixedLengths, Poisson, Uniform, generate
+
+MODELS = ("llama-tiny-a", "qwen2-tiny-b", "mistral-tiny-c")
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def paths(zoo_model):
+    return {name: str(zoo_model(name)) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def peer(ray_session, paths):
+    target, shutdown = start_multiplexed(paths, num_replicas=2, max_models_per_replica=1,
+                                         threads_per_replica=1, app_name="multiplexed-peer-test")
+    yield target
+    shutdown()
+
+
+def hf_greedy(path, prompt, max_new):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False,
+                         pad_token_id=model.generation_config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+async def collect(target, model, prompt, max_tokens, request_id):
+    sent = time.time()
+    ids, times, finish = [], [], None
+    async for frame in target.stream(model, prompt, max_tokens, request_id):
+        assert frame.error is None, frame.error
+        ids += frame.token_ids
+        times += frame.token_times
+        finish = frame.finish_reason or finish
+    return sent, ids, times, finish
+
+
+def test_greedy_tokens_match_hf_and_replicas_swap_models(peer, paths):
+    greedy = MultiplexedTarget(peer.handle, ignore_eos=False)  # stop at EOS as generate() does
+    prompts = {(m, k): [3 + 17 * k + 5 * i for i in range(6 + k)]
+               for m in MODELS for k in range(2)}
+
+    async def main():
+        return await asyncio.gather(*(collect(greedy, m, p, MAX_NEW, f"{m}-{k}")
+                                      for (m, k), p in prompts.items()))
+
+    results = asyncio.run(main())
+    for ((model, _), prompt), (sent, ids, times, finish) in zip(prompts.items(), results):
+        assert ids == hf_greedy(paths[model], prompt, MAX_NEW), model
+        assert finish in ("stop", "length")
+        assert len(times) == len(ids)
+        assert sent < times[0] and all(a < b for a, b in zip(times, times[1:]))
+
+    # 3 models on 2 replicas that hold 1 model each: some replica had to swap.
+    loads = defaultdict(list)
+    for _, model, replica, load_s in greedy.placements:
+        if load_s is not None:
+            loads[replica].append(model)
+    assert len({r for _, _, r, _ in greedy.placements}) <= 2  # num_replicas
+    assert set().union(*loads.values()) == set(MODELS)
+    assert max(len(v) for v in loads.values()) >= 2
+    for replica in loads:  # consecutive loads on one replica are of different models
+        assert all(a != b for a, b in zip(loads[replica], loads[replica][1:]))
+
+
+def test_driver_run_through_the_target(peer):
+    workload = generate(Poisson(rate=20.0), Uniform(), list(MODELS), FixedLengths(6, 5),
+                        seed=0, num_requests=8)
+    records = asyncio.run(run(peer, workload, vocab_size=2048, request_timeout_s=30.0))
+    assert len(records) == 8
+    for rec, req in zip(records, workload):
+        assert rec.ok, rec.error
+        assert rec.num_output_tokens == req.output_len  # ignore_eos: the trace's length
+        assert rec.worker_id and rec.num_prompt_tokens == 6
+        assert rec.arrival < rec.token_times[0] and rec.tbts and min(rec.tbts) > 0
+
+
+def test_abandoned_request_frees_its_replica(peer):
+    async def main():
+        agen = peer.stream(MODELS[0], [5, 6, 7], 4000, "abandoned")  # ~10 s if left running
+        first = await agen.__anext__()
+        await agen.aclose()
+        t0 = time.perf_counter()
+        _, ids, _, _ = await collect(peer, MODELS[0], [5, 6, 7], 4, "next")
+        return first, ids, time.perf_counter() - t0
+
+    first, ids, elapsed = asyncio.run(main())
+    assert first.token_ids and len(ids) == 4
+    assert elapsed < 2.0  # the replica stopped decoding the abandoned request
+
+
+def test_unknown_model_is_an_error_in_the_stream(peer):
+    async def main():
+        return [f async for f in peer.stream("no-such-model", [1, 2, 3], 4, "bad")]
+
+    frames = asyncio.run(main())
+    assert frames[-1].finish_reason == "error" and "no-such-model" in frames[-1].error
+
+
+def test_bad_build_arguments_are_named(paths, tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint"):
+        build_multiplexed_app({"x": str(tmp_path)}, 1, 1, 1)
+    with pytest.raises(ValueError, match="max_models_per_replica"):
+        build_multiplexed_app(paths, 1, 0, 1)
+    with pytest.raises(ValueError, match="num_replicas"):
+        build_multiplexed_app(paths, 0, 1, 1)
+    with pytest.raises(ValueError, match="at least one model"):
+        build_multiplexed_app({}, 1, 1, 1)
