@@ -216,9 +216,35 @@ def copy_into(out: torch.Tensor, src: torch.Tensor, dst_block_ids: list[int] | N
     """out[...] = src `[num_blocks, L, 2, 16, H, D]`, one copy (a scatter into a pool)."""
     if dst_block_ids is None:
         out.copy_(src)
+    elif out.device.type == "cpu":   # on a CPU, block-sized copies beat index_copy_ by ~2x
+        for i, dst in enumerate(dst_block_ids):
+            out[dst].copy_(src[i])
     else:
         out.index_copy_(0, torch.tensor(dst_block_ids, dtype=torch.long, device=out.device),
                         src.to(out.device, non_blocking=True))
+
+
+def copy_from_offsets(src: torch.Tensor, offsets: list[int], desc: KVDescriptor, out: torch.Tensor,
+                      dst_block_ids: list[int] | None) -> None:
+    """Copy the blocks at byte `offsets` of `src` (uint8 `[nbytes]`) into out, block i to out[i] (or out[dst_block_ids[i]]).
+
+    A run of adjacent blocks is one copy; blocks on a common block grid are one gather on a
+    GPU (one kernel, not one per block); anything else goes block by block.
+    """
+    bb, lo = desc.block_bytes, min(offsets)
+    if all((off - lo) % bb == 0 for off in offsets):
+        span = (max(offsets) - lo) // bb + 1
+        grid = src[lo:lo + span * bb].view(desc.torch_dtype).view(span, *desc.block_shape)
+        rel = [(off - lo) // bb for off in offsets]
+        if rel == list(range(len(rel))):
+            copy_into(out, grid[:len(rel)], dst_block_ids)
+            return
+        if src.device.type == "cuda":
+            copy_into(out, grid.index_select(0, torch.tensor(rel, device=src.device)), dst_block_ids)
+            return
+    for i, off in enumerate(offsets):
+        block = src[off:off + bb].view(desc.torch_dtype).view(desc.block_shape)
+        out[i if dst_block_ids is None else dst_block_ids[i]].copy_(block)
 
 
 def choose_transport(src_node: str, dst_node: str, device_kind: str) -> str:

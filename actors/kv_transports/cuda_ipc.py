@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_into, destination
+from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, copy_into, destination
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +126,7 @@ class CudaIPCTransport(KVTransport):
                 self._rt.streamWaitEvent(stream.cuda_stream, event, 0)   # the sender's writes come first
                 src = self._wrap(base, desc.handle["alloc_bytes"], device)
                 with torch.cuda.stream(stream):
-                    if offsets == list(range(offsets[0], offsets[0] + bb * len(offsets), bb)):
-                        run = src[offsets[0]:offsets[0] + desc.nbytes].view(desc.torch_dtype)
-                        copy_into(out, run.view(desc.num_blocks, *desc.block_shape), dst_block_ids)
-                    else:
-                        for i, off in enumerate(offsets):
-                            block = src[off:off + bb].view(desc.torch_dtype).view(desc.block_shape)
-                            out[i if dst_block_ids is None else dst_block_ids[i]].copy_(block)
+                    copy_from_offsets(src, offsets, desc, out, dst_block_ids)
                 stream.synchronize()
                 self._rt.eventDestroy(event)
         except self._cupy.cuda.runtime.CUDARuntimeError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_into, destination
+from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, destination
 
 logger = logging.getLogger(__name__)
 
@@ -123,14 +123,7 @@ class SharedMemoryTransport(KVTransport):
         bb = desc.block_bytes
         if len(offsets) != desc.num_blocks or min(offsets) < 0 or max(offsets) + bb > mapped.nbytes:
             raise KVTransferError(f"KV handle of request {desc.request_id!r} points outside {mapped.path}")
-        src = mapped.tensor
-        if offsets == list(range(offsets[0], offsets[0] + bb * len(offsets), bb)):   # one run: one copy
-            blocks = src[offsets[0]:offsets[0] + desc.nbytes].view(desc.torch_dtype)
-            copy_into(out, blocks.view(desc.num_blocks, *desc.block_shape), dst_block_ids)
-        else:
-            for i, off in enumerate(offsets):
-                block = src[off:off + bb].view(desc.torch_dtype).view(desc.block_shape)
-                out[i if dst_block_ids is None else dst_block_ids[i]].copy_(block)
+        copy_from_offsets(mapped.tensor, offsets, desc, out, dst_block_ids)
         return out
 
     def release(self, desc: KVDescriptor) -> None:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One-shot GPU check, for a machine with a CUDA GPU and no internet (under 8 minutes):
+#   1. environment: GPU, and which of torch / cupy / ray / ... the python has;
+#   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
+#      package, e.g. ray, is reported and skipped, not counted as a failure);
+#   3. the CUDA IPC KV handoff micro-benchmark (tests/gpu/test_cupy_ipc.py --bench);
+#   4. the engine benchmark, once `tokenmux bench engine` exists.
+# Uses the python that already holds torch ($PYTHON, default python3); installs nothing.
+# Results go to $OUT (or /tmp/tokenmux-gpu-check). Exit status: non-zero if a test failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY="${PYTHON:-python3}"
+RESULTS="${OUT:-/tmp/tokenmux-gpu-check}"
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_USAGE_STATS_ENABLED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+echo "== environment"
+{ nvidia-smi -L || echo "nvidia-smi: not found"; "$PY" - <<'PYEOF'
+import importlib
+for name in ("torch", "cupy", "msgpack", "pynvml", "ray", "transformers", "safetensors", "pytest"):
+    try:
+        print(f"{name}: {getattr(importlib.import_module(name), '__version__', 'present')}")
+    except Exception as exc:
+        print(f"{name}: MISSING ({type(exc).__name__})")
+import torch
+print("cuda:", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PYEOF
+} 2>&1 | tee "$RESULTS/env.txt"
+
+echo "== gpu tests"
+timeout 200 "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml="$RESULTS/pytest-gpu.xml" 2>&1 | tee "$RESULTS/pytest-gpu.log"
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 124 ]; then
+    echo "gpu tests: TIMED OUT"; status=1
+else
+    # pytest says 1 both for failed tests and for files it could not collect; only the former count.
+    "$PY" - "$RESULTS/pytest-gpu.xml" <<'PYEOF' || status=1
+import re, sys, xml.etree.ElementTree as ET
+OUR_PACKAGES = {"scheduler", "actors", "cluster", "deploy", "load_tests"}   # missing = a real bug
+failed, missing = [], []
+for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+    for bad in list(case.findall("failure")) + list(case.findall("error")):
+        message = bad.get("message") or ""
+        where = f"{case.get('classname')}::{case.get('name')}"
+        missing_name = re.search(r"No module named '([\w.]+)'", bad.text or "")
+        if "collection failure" in message and missing_name \
+                and missing_name.group(1).split(".")[0] not in OUR_PACKAGES:
+            missing.append(where)
+        else:
+            failed.append(where)
+for m in missing:
+    print(f"skipped (missing package): {m}")
+for f in failed:
+    print(f"FAILED: {f}")
+sys.exit(1 if failed else 0)
+PYEOF
+fi
+
+echo "== KV handoff benchmark (CUDA IPC)"
+if "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    timeout 90 "$PY" tests/gpu/test_cupy_ipc.py --bench "$RESULTS/kv_ipc_bench.json" || { echo "kv bench failed"; status=1; }
+else
+    echo "skipped: cupy or CUDA missing"
+fi
+
+echo "== engine benchmark"
+if "$PY" -m deploy.cli bench --help >/dev/null 2>&1; then
+    timeout 150 "$PY" -m deploy.cli bench engine --json "$RESULTS/bench-engine.json" || { echo "engine bench failed"; status=1; }
+else
+    echo "skipped: no tokenmux bench command here yet"
+fi
+exit $status
