@@ -102,6 +102,20 @@ def test_abandoned_request_frees_its_replica(peer):
     assert elapsed < 2.0  # the replica stopped decoding the abandoned request
 
 
+def test_sampling_is_seeded(peer):
+    async def sample(seed):
+        gen = peer.handle.options(multiplexed_model_id=MODELS[1], stream=True).generate.remote(
+            [9, 8, 7, 6], 12, True, 1.5, seed)
+        return [t async for frame in gen for t in frame["token_ids"]]
+
+    async def main():
+        return await sample(1), await sample(1), await sample(2)
+
+    a, b, c = asyncio.run(main())
+    assert len(a) == 12 and all(0 <= t < 2048 for t in a)
+    assert a == b and a != c
+
+
 def test_unknown_model_is_an_error_in_the_stream(peer):
     async def main():
         return [f async for f in peer.stream("no-such-model", [1, 2, 3], 4, "bad")]

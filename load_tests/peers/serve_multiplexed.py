@@ -106,8 +106,15 @@ class MultiplexedLLM:
 
     def __init__(self, config: MultiplexedConfig):
         import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
         self.config = config
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar per swap
+        # Import each architecture's modeling code now (about 1.5 s the first time), as a
+        # deployment importing its model classes would, so a swap costs just the load.
+        for path in config.models.values():
+            AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(path))]
         torch.set_num_threads(config.threads_per_replica)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -160,17 +167,24 @@ class MultiplexedLLM:
         resident = list(wrapper.models) if wrapper is not None else []
         return {"replica_id": self.replica_id, "loads": list(self.loads), "resident": resident}
 
+    def _check(self, name: str, prompt, max_tokens: int, temperature: float) -> str | None:
+        if name not in self.config.models:
+            return f"unknown model {name!r}; this deployment serves {sorted(self.config.models)}"
+        if not prompt:
+            return "prompt must contain at least one token"
+        if max_tokens < 1:
+            return f"max_tokens must be >= 1, got {max_tokens!r}"
+        if temperature < 0:
+            return f"temperature must be >= 0, got {temperature!r}"
+        return None
+
     async def generate(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool = True,
                        temperature: float = 0.0, seed: int | None = None) -> AsyncIterator[dict]:
         """Stream one request's output as frame dicts (token_ids, token_times, finish_reason,
         error); the first also says whether this request loaded its model (model_load_s)."""
         name = serve.get_multiplexed_model_id()
         meta = {"replica_id": self.replica_id, "model": name}
-        problem = (f"unknown model {name!r}" if name not in self.config.models
-                   else "prompt must contain at least one token" if not prompt
-                   else f"max_tokens must be >= 1, got {max_tokens!r}" if max_tokens < 1
-                   else f"temperature must be >= 0, got {temperature!r}" if temperature < 0
-                   else None)
+        problem = self._check(name, prompt, max_tokens, temperature)
         if problem is not None:
             yield {**meta, "token_ids": [], "token_times": [], "finish_reason": FINISH_ERROR,
                    "error": problem}
