@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from actors.layers import Rope, apply_rope, mlp, paged_attention, rms_norm
 from actors.model_spec import ModelSpec
-BLOCK_SIZE = 16  # tokens per KV block (scheduler.kv_blocks.BLOCK_SIZE)
+from scheduler.kv_blocks import BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class _Step:
     slot_rows: torch.Tensor     # [T] row of each new token's K in the per-token pool view, layer 0
     block_rows: torch.Tensor    # [2 * B * NB] K then V block rows of every sequence, layer 0
     mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
+    unwritten: torch.Tensor     # [1, B, NB * 16, 1, 1] True at gathered positions >= context length
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
     batch_shape: tuple[int, int]
     token_index: tuple[torch.Tensor, torch.Tensor] | None
@@ -79,7 +80,7 @@ class ModelRunner:
             k_rows = step.slot_rows + 2 * BLOCK_SIZE * layer
             kv_tokens.index_copy_(0, k_rows, k.view(T, Hkv * D))
             kv_tokens.index_copy_(0, k_rows + BLOCK_SIZE, v)
-            attn = paged_attention(q, kv_blocks, step.block_rows + 2 * layer, step.mask,
+            attn = paged_attention(q, kv_blocks, step.block_rows + 2 * layer, step.mask, step.unwritten,
                                    step.batch_shape, step.token_index)
             x = x + F.linear(attn, params[names["o"]])
             h = rms_norm(x, params[names["post_norm"]], spec.rms_norm_eps)
@@ -134,11 +135,11 @@ class ModelRunner:
         block_rows = [g * L2 for t in tables for g in t + [t[0]] * (NB - len(t))]
         ints = torch.tensor(
             input_ids + positions + slot_rows + block_rows + last_index + seq_of + offset_of
-            + [c.start_pos for c in chunks],
+            + [c.start_pos for c in chunks] + ctx_lens,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
-        input_ids_t, positions_t, slot_rows_t, block_rows_t, last_t, seq_t, offset_t, start_t = ints.split(
-            [T, T, T, B * NB, B, T, T, B]
+        input_ids_t, positions_t, slot_rows_t, block_rows_t, last_t, seq_t, offset_t, start_t, ctx_t = ints.split(
+            [T, T, T, B * NB, B, T, T, B, B]
         )
         block_rows_t = torch.cat([block_rows_t, block_rows_t + 1])
         uniform = T == B * Tq
@@ -148,6 +149,7 @@ class ModelRunner:
             slot_rows=slot_rows_t,
             block_rows=block_rows_t,
             mask=self._mask(start_t, Tq, NB * BLOCK_SIZE, params_dtype),
+            unwritten=(torch.arange(NB * BLOCK_SIZE, device=self.device) >= ctx_t[:, None])[None, :, :, None, None],
             last_index=last_t,
             batch_shape=(B, Tq),
             token_index=None if uniform else (seq_t, offset_t),

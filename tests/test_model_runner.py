@@ -162,11 +162,13 @@ def test_prefill_logits_match_hf(models):
 
 
 def test_stale_pool_contents_do_not_leak(models):
-    """Blocks reused from another sequence (garbage in unwritten slots) change nothing."""
+    """Garbage in never-written slots (a fresh torch.empty pool, blocks reused from another
+    sequence or another model's dtype) changes nothing, NaN included."""
     model = models("llama-tiny-a")
     prompts = make_prompts(model.spec.vocab_size, seed=3)
     kv = model.new_kv()
     kv.normal_(0, 100.0)
+    kv.view(-1)[::7] = float("nan")
     got = generate(model, prompts, kv=kv)
     for prompt, out in zip(prompts, got):
         assert out == model.reference(prompt)
