@@ -93,7 +93,7 @@ def paged_attention(
     kv_blocks   # [num_blocks * L * 2, 16 * Hkv * D] the pool, one row per (block, layer, K|V)
     block_rows  # [2 * B * NB] rows of this layer's K blocks then V blocks, per sequence
     mask        # [B, 1, G * Tq, NB * 16] additive: 0 = may attend (causal, window), -inf = not
-    unwritten   # [1, B, NB * 16, 1, 1] True past each sequence's context: slots never written
+    unwritten   # [U] flat (seq * NB * 16 + position) past each sequence's context: slots never written
                 (a fresh or reused pool) may hold NaN, which a -inf mask does not cancel
     batch_shape (B, Tq): sequences and the longest chunk
     token_index (seq, offset) of each packed token in the [B, Tq] grid; None when every
@@ -103,7 +103,7 @@ def paged_attention(
     T, num_heads, head_dim = q.shape
     B, Tq = batch_shape
     ctx = kv_blocks.index_select(0, block_rows).view(2, B, -1, kv_blocks.shape[1] // head_dim // 16, head_dim)
-    ctx.masked_fill_(unwritten, 0.0)  # ctx is our own gathered copy; the pool is untouched
+    ctx.view(2, -1, kv_blocks.shape[1] // 16).index_fill_(1, unwritten, 0.0)  # our gathered copy, not the pool
     num_kv_heads = ctx.shape[3]
     group = num_heads // num_kv_heads
     k = ctx[0].transpose(1, 2)  # [B, Hkv, S, D]

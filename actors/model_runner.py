@@ -42,7 +42,7 @@ class _Step:
     slot_rows: torch.Tensor     # [T] row of each new token's K in the per-token pool view, layer 0
     block_rows: torch.Tensor    # [2 * B * NB] K then V block rows of every sequence, layer 0
     mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
-    unwritten: torch.Tensor     # [1, B, NB * 16, 1, 1] True at gathered positions >= context length
+    unwritten: torch.Tensor     # [U] flat (seq * NB * 16 + position) of gathered positions >= context length
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
     batch_shape: tuple[int, int]
     token_index: tuple[torch.Tensor, torch.Tensor] | None
@@ -133,13 +133,15 @@ class ModelRunner:
         NB = max(len(t) for t in tables)
         # Short tables are padded with their own first block; the mask hides the padding.
         block_rows = [g * L2 for t in tables for g in t + [t[0]] * (NB - len(t))]
+        S = NB * BLOCK_SIZE
+        unwritten = [b * S + p for b, ctx in enumerate(ctx_lens) for p in range(ctx, S)]
         ints = torch.tensor(
             input_ids + positions + slot_rows + block_rows + last_index + seq_of + offset_of
-            + [c.start_pos for c in chunks] + ctx_lens,
+            + [c.start_pos for c in chunks] + unwritten,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
-        input_ids_t, positions_t, slot_rows_t, block_rows_t, last_t, seq_t, offset_t, start_t, ctx_t = ints.split(
-            [T, T, T, B * NB, B, T, T, B, B]
+        input_ids_t, positions_t, slot_rows_t, block_rows_t, last_t, seq_t, offset_t, start_t, unwritten_t = ints.split(
+            [T, T, T, B * NB, B, T, T, B, len(unwritten)]
         )
         block_rows_t = torch.cat([block_rows_t, block_rows_t + 1])
         uniform = T == B * Tq
@@ -149,7 +151,7 @@ class ModelRunner:
             slot_rows=slot_rows_t,
             block_rows=block_rows_t,
             mask=self._mask(start_t, Tq, NB * BLOCK_SIZE, params_dtype),
-            unwritten=(torch.arange(NB * BLOCK_SIZE, device=self.device) >= ctx_t[:, None])[None, :, :, None, None],
+            unwritten=unwritten_t,
             last_index=last_t,
             batch_shape=(B, Tq),
             token_index=None if uniform else (seq_t, offset_t),
