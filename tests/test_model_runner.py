@@ -61,21 +61,32 @@ class Blocks:
         return table
 
 
-def generate(model: Model, prompts: list[list[int]], split: int | None = None, kv=None) -> list[list[int]]:
-    """Greedy decode of all prompts as one batch; `split` prefills in two forwards (resume)."""
+def generate(model: Model, prompts: list[list[int]], split: int | None = None, kv=None,
+             join_step: list[int] | None = None) -> list[list[int]]:
+    """Greedy decode of all prompts, batched: one forward per step for every live sequence.
+
+    `split` prefills each prompt in two forwards (a resume); `join_step[i]` is the step at
+    which prompt i arrives, so its prefill chunk shares a forward with others' decode chunks.
+    """
     kv = model.new_kv() if kv is None else kv
     blocks = Blocks(kv.shape[0] * kv.shape[1])
     tables = [blocks.table(len(p) + MAX_NEW) for p in prompts]
+    join_step = join_step or [0] * len(prompts)
     eos = set(model.spec.eos_token_ids)
     if split is not None:
         first = [SeqChunk(p[:split], 0, t) for p, t in zip(prompts, tables)]
         model.runner.forward(model.params, first, kv)
-        chunks = [SeqChunk(p[split:], split, t) for p, t in zip(prompts, tables)]
-    else:
-        chunks = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)]
     outputs = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    while live:
+    pending = {i: SeqChunk(p[split:], split, t) if split else SeqChunk(p, 0, t)
+               for i, (p, t) in enumerate(zip(prompts, tables))}
+    live, chunks, step = [], [], 0
+    while live or pending:
+        for i in [i for i in pending if join_step[i] <= step]:
+            live.append(i)
+            chunks.append(pending.pop(i))
+        step += 1
+        if not live:
+            continue
         tokens = model.runner.forward(model.params, chunks, kv).argmax(-1).tolist()
         next_live, next_chunks = [], []
         for i, chunk, token in zip(live, chunks, tokens):
@@ -144,6 +155,16 @@ def test_resume_in_two_chunks_gives_same_tokens(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size, seed=1, min_len=12)
     got = generate(model, prompts, split=11)  # second chunk starts mid-block
+    for prompt, out in zip(prompts, got):
+        assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8"])
+def test_prompts_joining_a_running_batch_give_same_tokens(models, name):
+    """Continuous batching: prefill chunks share forwards with other sequences' decode steps."""
+    model = models(name)
+    prompts = make_prompts(model.spec.vocab_size, seed=4)
+    got = generate(model, prompts, join_step=[i % 5 for i in range(len(prompts))])
     for prompt, out in zip(prompts, got):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
