@@ -210,3 +210,11 @@ def test_bad_inputs_are_rejected_with_clear_errors(models):
         model.runner.forward(model.params, [SeqChunk([5], 0, [0])], kv[:, :, :1])
     with pytest.raises(ValueError, match="at least one chunk"):
         model.runner.forward(model.params, [], kv)
+
+
+def test_length_dependent_rope_is_refused_up_front(models):
+    import dataclasses
+
+    spec = dataclasses.replace(models("llama-tiny-a").spec, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        ModelRunner(spec, torch.device("cpu"))
