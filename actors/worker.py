@@ -1,0 +1,184 @@
+"""DeviceWorker: the Ray actor that owns one device and runs its Engine.
+
+The engine's step loop runs on a thread of its own; the actor's asyncio side only moves
+messages. `generate` is a streaming generator: each yielded OutputFrame carries every
+token produced since the previous one (frames, never one actor call per token), so a
+slow consumer gets fewer, larger frames instead of falling behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict
+
+from actors.engine import Engine, EngineConfig
+from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+class _Stream:
+    """Frames of one request waiting for its consumer, merged while they wait."""
+
+    def __init__(self) -> None:
+        self.pending: OutputFrame | None = None
+        self.event = asyncio.Event()
+
+    def push(self, frame: OutputFrame) -> None:
+        if self.pending is None:
+            self.pending = frame
+        else:
+            p = self.pending
+            p.token_ids += frame.token_ids
+            p.token_times += frame.token_times
+            p.text += frame.text
+            p.finish_reason = frame.finish_reason
+            p.error = frame.error
+        self.event.set()
+
+    def take(self) -> OutputFrame:
+        frame, self.pending = self.pending, None
+        self.event.clear()
+        return frame
+
+
+class EngineLoop:
+    """Runs an Engine on a background thread; commands and frames cross via queues."""
+
+    def __init__(self, engine: Engine, deliver):
+        self.engine = engine
+        self.deliver = deliver          # called on the engine thread with each list of frames
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run fn(*args) on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((fn, args, future))
+        self.wake.set()
+        return future
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self.stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self.wake.wait(IDLE_WAIT_S)
+                self.wake.clear()
+                continue
+            try:
+                frames = self.engine.step()
+            except Exception as exc:   # never let one bad step kill the worker
+                logger.exception("engine step failed")
+                frames = self.engine.fail_all(f"engine step failed: {exc}")
+            if frames:
+                self.deliver(frames)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, args, future = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn(*args))
+            except Exception as exc:
+                future.set_exception(exc)
+
+
+class DeviceWorker:
+    """One per device. Methods are async; the engine never blocks the actor's event loop."""
+
+    def __init__(self, worker_id: str, config: dict | None = None, num_threads: int | None = None,
+                 node_id: str | None = None):
+        import torch
+
+        if num_threads:
+            torch.set_num_threads(num_threads)   # each virtual device gets its share of cores
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.role = "mixed"
+        self.engine = Engine(EngineConfig(**(config or {})))
+        self.streams: dict[str, _Stream] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
+        self.started = time.time()
+
+    async def ready(self) -> str:
+        self.loop = asyncio.get_running_loop()
+        return self.worker_id
+
+    async def register_model(self, name: str, path: str) -> dict:
+        return await asyncio.wrap_future(self.engine_loop.call(self.engine.register_model, name, path))
+
+    async def unregister_model(self, name: str) -> None:
+        await asyncio.wrap_future(self.engine_loop.call(self.engine.unregister_model, name))
+
+    async def set_role(self, role: str) -> None:
+        if role not in ("mixed", "prefill", "decode"):
+            raise ValueError(f"role must be mixed, prefill or decode; got {role!r}")
+        self.role = role
+
+    async def generate(self, req: dict):
+        """Stream OutputFrame dicts for one request; the last one has finish_reason set."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        request = GenerateRequest.from_dict(req)
+        stream = _Stream()
+        self.streams[request.request_id] = stream
+        finished = False
+        try:
+            try:
+                await asyncio.wrap_future(self.engine_loop.call(self.engine.add_request, request))
+            except ValueError as exc:
+                finished = True
+                yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
+                                         worker_id=self.worker_id))
+                return
+            while True:
+                await stream.event.wait()
+                frame = stream.take()
+                frame.worker_id = self.worker_id
+                finished = frame.finished
+                yield asdict(frame)
+                if finished:
+                    return
+        finally:
+            self.streams.pop(request.request_id, None)
+            if not finished:   # the consumer went away: free the request's KV
+                self.engine_loop.call(self.engine.abort, request.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await asyncio.wrap_future(self.engine_loop.call(self.engine.abort, request_id))
+
+    async def stats(self) -> dict:
+        stats = await asyncio.wrap_future(self.engine_loop.call(self.engine.stats))
+        stats.update(worker_id=self.worker_id, node_id=self.node_id, role=self.role,
+                     device=self.engine.config.device, pid=os.getpid())
+        return stats
+
+    async def timeline(self) -> list[tuple]:
+        return await asyncio.wrap_future(self.engine_loop.call(lambda: list(self.engine.timeline)))
+
+    def _deliver_threadsafe(self, frames: list[OutputFrame]) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._deliver, frames)
+
+    def _deliver(self, frames: list[OutputFrame]) -> None:
+        for frame in frames:
+            stream = self.streams.get(frame.request_id)
+            if stream is not None:
+                stream.push(frame)

@@ -1,0 +1,81 @@
+"""DeviceWorker as a Ray actor: register models, stream frames, cancel, stats."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler.messages import GenerateRequest
+from scheduler.sampling_params import SamplingParams
+
+MiB = 1 << 20
+CONFIG = {"budget_bytes": 64 * MiB, "kv_bytes": 16 * MiB, "num_slots": 2, "slab_bytes": 96 * 1024 * 4,
+          "host_kv_bytes": 8 * MiB}
+
+
+@pytest.fixture(scope="module")
+def worker(ray_session, zoo_model):
+    import ray
+
+    from actors.worker import DeviceWorker
+
+    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w0", CONFIG, num_threads=1)
+    ray.get(actor.ready.remote())
+    for name in ("llama-tiny-a", "qwen2-tiny-b"):
+        ray.get(actor.register_model.remote(name, str(zoo_model(name))))
+    yield actor
+    ray.kill(actor)
+
+
+async def _collect(actor, req: GenerateRequest) -> list[dict]:
+    frames = []
+    async for ref in actor.generate.remote(req.to_dict()):
+        frames.append(await ref)
+    return frames
+
+
+def test_streams_frames_that_add_up_to_the_whole_output(worker):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    reqs = [GenerateRequest(f"a{i}", m, (10 + i, 20, 30), params)
+            for i, m in enumerate(["llama-tiny-a", "qwen2-tiny-b"] * 3)]
+
+    async def main():
+        return await asyncio.gather(*[_collect(worker, r) for r in reqs])
+
+    results = asyncio.run(main())
+    for frames in results:
+        tokens = [t for f in frames for t in f["token_ids"]]
+        times = [t for f in frames for t in f["token_times"]]
+        assert len(tokens) == 40 and len(times) == 40
+        assert times == sorted(times)
+        assert frames[-1]["finish_reason"] == "length"
+        assert all(f["worker_id"] == "w0" for f in frames)
+    # frames, not one message per token: with 6 requests interleaving, frames carry several tokens
+    assert sum(len(frames) for frames in results) < 6 * 40
+
+
+def test_unknown_model_is_an_error_frame_naming_the_registered_ones(worker):
+    frames = asyncio.run(_collect(worker, GenerateRequest("bad", "nope", (1, 2))))
+    assert len(frames) == 1 and frames[0]["finish_reason"] == "error"
+    assert "nope" in frames[0]["error"] and "llama-tiny-a" in frames[0]["error"]
+
+
+def test_consumer_that_leaves_cancels_its_request_and_frees_kv(worker):
+    import ray
+
+    async def leave_early():
+        gen = worker.generate.remote(GenerateRequest("long", "llama-tiny-a", (5, 6, 7),
+                                                     SamplingParams(max_tokens=200, ignore_eos=True)).to_dict())
+        first = await gen.__anext__()
+        await first
+        ray.cancel(gen)   # what the ingress does when its client disconnects
+
+    asyncio.run(leave_early())
+    for _ in range(100):
+        stats = ray.get(worker.stats.remote())
+        if not stats["running"] and not stats["queue_depth"]:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert not stats["running"] and not stats["queue_depth"]
+    assert stats["kv_free_frac"] == 1.0
+    assert set(stats["registered"]) == {"llama-tiny-a", "qwen2-tiny-b"}
