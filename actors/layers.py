@@ -81,7 +81,7 @@ def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tenso
 def paged_attention(
     q: torch.Tensor,
     kv_blocks: torch.Tensor,
-    block_rows: torch.Tensor,
+    block_index: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     unwritten: torch.Tensor,
     batch_shape: tuple[int, int],
@@ -90,8 +90,8 @@ def paged_attention(
     """Attention of the new tokens over each sequence's cached context.
 
     q           # [T, Hq, D] new tokens of all sequences, packed in chunk order
-    kv_blocks   # [num_blocks * L * 2, 16 * Hkv * D] the pool, one row per (block, layer, K|V)
-    block_rows  # [2 * B * NB] rows of this layer's K blocks then V blocks, per sequence
+    kv_blocks   # [slabs, blocks_per_slab * L * 2, 16 * Hkv * D] the pool, one row per (block, layer, K|V)
+    block_index (slab, row) # [2 * B * NB] each: this layer's K blocks then V blocks, per sequence
     mask        # [B, 1, G * Tq, NB * 16] additive: 0 = may attend (causal, window), -inf = not
     unwritten   # [U] flat (seq * NB * 16 + position) past each sequence's context: slots never written
                 (a fresh or reused pool) may hold NaN, which a -inf mask does not cancel
@@ -102,8 +102,8 @@ def paged_attention(
     """
     T, num_heads, head_dim = q.shape
     B, Tq = batch_shape
-    ctx = kv_blocks.index_select(0, block_rows).view(2, B, -1, kv_blocks.shape[1] // head_dim // 16, head_dim)
-    ctx.view(2, -1, kv_blocks.shape[1] // 16).index_fill_(1, unwritten, 0.0)  # our gathered copy, not the pool
+    ctx = kv_blocks[block_index].view(2, B, -1, kv_blocks.shape[-1] // head_dim // 16, head_dim)
+    ctx.view(2, -1, kv_blocks.shape[-1] // 16).index_fill_(1, unwritten, 0.0)  # our gathered copy, not the pool
     num_kv_heads = ctx.shape[3]
     group = num_heads // num_kv_heads
     k = ctx[0].transpose(1, 2)  # [B, Hkv, S, D]

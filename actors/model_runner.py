@@ -39,8 +39,10 @@ class _Step:
 
     input_ids: torch.Tensor     # [T]
     positions: torch.Tensor     # [T]
-    slot_rows: torch.Tensor     # [T] row of each new token's K in the per-token pool view, layer 0
-    block_rows: torch.Tensor    # [2 * B * NB] K then V block rows of every sequence, layer 0
+    slot_slabs: torch.Tensor    # [T] slab of each new token's block
+    slot_rows: torch.Tensor     # [T] row of each new token's K inside its slab (per-token view), layer 0
+    block_slabs: torch.Tensor   # [2 * B * NB] slab of every sequence's blocks, K then V
+    block_rows: torch.Tensor    # [2 * B * NB] K then V block rows inside their slabs, layer 0
     mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
     unwritten: torch.Tensor     # [U] flat (seq * NB * 16 + position) of gathered positions >= context length
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
@@ -65,7 +67,7 @@ class ModelRunner:
         embed = params["model.embed_tokens.weight"]
         if kv.dtype != embed.dtype:
             raise ValueError(f"kv dtype {kv.dtype} differs from the weights' dtype {embed.dtype}")
-        step = self._prepare(chunks, kv.shape[0] * kv.shape[1], embed.dtype)
+        step = self._prepare(chunks, kv.shape[0], kv.shape[1], embed.dtype)
         x = F.embedding(step.input_ids, embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(step.positions, x.dtype)
         T, H, Hkv, D = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -78,9 +80,9 @@ class ModelRunner:
             k = apply_rope(k, cos, sin)
             # Pool layout per block: [L, 2, 16, Hkv, D]; a layer's K rows start at 2*16*layer.
             k_rows = step.slot_rows + 2 * BLOCK_SIZE * layer
-            kv_tokens.index_copy_(0, k_rows, k.view(T, Hkv * D))
-            kv_tokens.index_copy_(0, k_rows + BLOCK_SIZE, v)
-            attn = paged_attention(q, kv_blocks, step.block_rows + 2 * layer, step.mask, step.unwritten,
+            kv_tokens.index_put_((step.slot_slabs, k_rows), k.view(T, Hkv * D))
+            kv_tokens.index_put_((step.slot_slabs, k_rows + BLOCK_SIZE), v)
+            attn = paged_attention(q, kv_blocks, (step.block_slabs, step.block_rows + 2 * layer), step.mask, step.unwritten,
                                    step.batch_shape, step.token_index)
             x = x + F.linear(attn, params[names["o"]])
             h = rms_norm(x, params[names["post_norm"]], spec.rms_norm_eps)
@@ -89,21 +91,26 @@ class ModelRunner:
         return F.linear(x, params[self.lm_head_name]).float()
 
     def _pool_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool as [rows of one token's K or V] and as [rows of one block's K or V of one layer]."""
+        """The pool per slab: # [slabs, rows, one token's K or V] and # [slabs, rows, one block's K or V
+        of one layer]. Slabs may be strided (a slab need not be a whole number of this shape's
+        blocks), so rows are addressed as (slab, row inside the slab)."""
         spec = self.spec
         expected = (spec.num_layers, 2, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
         if kv.dim() != 7 or tuple(kv.shape[2:]) != expected:
             raise ValueError(f"kv must be [slabs, blocks_per_slab, {', '.join(map(str, expected))}], got {list(kv.shape)}")
-        if not kv.is_contiguous():
-            raise ValueError("kv must be a contiguous view of the pool")
+        if not kv[0].is_contiguous():
+            raise ValueError("kv must be a view of the pool whose slabs are contiguous")
         row = spec.num_kv_heads * spec.head_dim
-        return kv.view(-1, row), kv.view(-1, BLOCK_SIZE * row)
+        per_slab = kv.flatten(1)   # [slabs, blocks_per_slab * block elements], a view
+        return per_slab.view(kv.shape[0], -1, row), per_slab.view(kv.shape[0], -1, BLOCK_SIZE * row)
 
-    def _prepare(self, chunks: list[SeqChunk], num_blocks: int, params_dtype: torch.dtype) -> _Step:
+    def _prepare(self, chunks: list[SeqChunk], num_slabs: int, blocks_per_slab: int,
+                 params_dtype: torch.dtype) -> _Step:
         if not chunks:
             raise ValueError("forward needs at least one chunk")
         L2 = self.spec.num_layers * 2
-        input_ids, positions, slot_rows, seq_of, offset_of, last_index, ctx_lens, tables = [], [], [], [], [], [], [], []
+        num_blocks = num_slabs * blocks_per_slab
+        input_ids, positions, slot_slabs, slot_rows, seq_of, offset_of, last_index, ctx_lens, tables = ([] for _ in range(9))
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
@@ -120,7 +127,8 @@ class ModelRunner:
             input_ids += c.token_ids
             pos = range(c.start_pos, ctx)
             positions += pos
-            slot_rows += [table[p // BLOCK_SIZE] * L2 * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
+            slot_slabs += [table[p // BLOCK_SIZE] // blocks_per_slab for p in pos]
+            slot_rows += [table[p // BLOCK_SIZE] % blocks_per_slab * L2 * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
             seq_of += [b] * n
             offset_of += range(n)
             last_index.append(len(input_ids) - 1)
@@ -132,23 +140,27 @@ class ModelRunner:
         Tq = max(len(c.token_ids) for c in chunks)
         NB = max(len(t) for t in tables)
         # Short tables are padded with their own first block; the mask hides the padding.
-        block_rows = [g * L2 for t in tables for g in t + [t[0]] * (NB - len(t))]
+        padded = [g for t in tables for g in t + [t[0]] * (NB - len(t))]
+        block_slabs = [g // blocks_per_slab for g in padded]
+        block_rows = [g % blocks_per_slab * L2 for g in padded]
         S = NB * BLOCK_SIZE
         unwritten = [b * S + p for b, ctx in enumerate(ctx_lens) for p in range(ctx, S)]
         ints = torch.tensor(
-            input_ids + positions + slot_rows + block_rows + last_index + seq_of + offset_of
+            input_ids + positions + slot_slabs + slot_rows + block_slabs + block_rows + last_index + seq_of + offset_of
             + [c.start_pos for c in chunks] + unwritten,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
-        input_ids_t, positions_t, slot_rows_t, block_rows_t, last_t, seq_t, offset_t, start_t, unwritten_t = ints.split(
-            [T, T, T, B * NB, B, T, T, B, len(unwritten)]
-        )
+        (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, block_slabs_t, block_rows_t, last_t, seq_t, offset_t,
+         start_t, unwritten_t) = ints.split([T, T, T, T, B * NB, B * NB, B, T, T, B, len(unwritten)])
         block_rows_t = torch.cat([block_rows_t, block_rows_t + 1])
+        block_slabs_t = torch.cat([block_slabs_t, block_slabs_t])
         uniform = T == B * Tq
         return _Step(
             input_ids=input_ids_t,
             positions=positions_t,
+            slot_slabs=slot_slabs_t,
             slot_rows=slot_rows_t,
+            block_slabs=block_slabs_t,
             block_rows=block_rows_t,
             mask=self._mask(start_t, Tq, NB * BLOCK_SIZE, params_dtype),
             unwritten=unwritten_t,

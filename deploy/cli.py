@@ -85,11 +85,26 @@ def _human(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
+# ---- demo -----------------------------------------------------------------------------
+
+
+def _demo_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
+    parser.set_defaults(run=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from deploy.demo import run_demo
+
+    return run_demo(args)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "zoo": ("build or list the offline model zoo", _zoo_parser),
+    "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
 }
 
 

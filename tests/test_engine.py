@@ -47,7 +47,7 @@ def hf_greedy(path, prompt: list[int], max_new: int) -> list[int]:
     return _reference_cache[key]
 
 
-def _engine(paths: dict, num_slots: int, kv_bytes: int = 16 * MiB, slab_bytes: int = 98304 * 3,
+def _engine(paths: dict, num_slots: int, kv_bytes: int = 16 * MiB, slab_bytes: int = 256 * 1024,
             host_kv_bytes: int = 16 * MiB, policy: str = "token") -> Engine:
     slot = max(WeightLayout.from_dir(p).total_bytes for p in paths.values())
     config = EngineConfig(budget_bytes=kv_bytes + num_slots * (slot + 4096), kv_bytes=kv_bytes,
