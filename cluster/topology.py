@@ -1,0 +1,310 @@
+"""The actor topology of one tokenmux cluster, brought up on an already connected Ray.
+
+    bring_up(config) -> Topology
+        GlobalRouter (named)          one per cluster; picks a worker per request
+        PlacementService (named)      which worker may hold which model, and its role
+        DeviceWorker x devices        one per device on every alive node, pinned there
+
+A worker asks for `num_gpus=1, num_cpus=0` on its node (on a CPU host a virtual device is
+one Ray GPU resource, see cluster/ray_runtime.py), so Ray's accounting is the device
+inventory. Worker ids read "<node-short>-gpu<i>". The placement service registers models
+on workers per its plan (every model gets at least one worker; hot ones get more).
+`refresh_nodes()` (called every second by a NodeWatcher) gives a node that joined its
+workers and deregisters the workers of a node that left. Nothing here starts or stops
+Ray: `cluster.ray_runtime.connect_or_start` connects first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.placement_service import PLACEMENT_NAME, get_or_create_placement
+from actors.router import ROUTER_NAME, get_or_create_router
+from cluster.node_watcher import NodeWatcher
+from cluster.ray_runtime import NodeResources, alive_nodes
+from scheduler.placement import PlacementConfig
+from scheduler.routing import RoutingConfig
+from scheduler.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 180.0
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    models: dict[str, str]                 # name -> local checkpoint dir
+    engine: dict = field(default_factory=dict)   # EngineConfig kwargs for every worker
+    devices_per_node: int | None = None    # workers per node (None: every GPU Ray sees there)
+    threads_per_worker: int | None = None  # torch threads per worker (None: node cores // devices)
+    slo: SLO = field(default_factory=SLO)
+    placement: dict = field(default_factory=dict)  # PlacementConfig kwargs
+    routing: dict = field(default_factory=dict)    # RoutingConfig kwargs
+    placement_interval_s: float = 2.0
+    watch_interval_s: float | None = 1.0   # node watcher period; None: no watcher
+    shared_kv: bool = False                # CPU workers keep KV in /dev/shm (zero-copy handoff)
+    detached: bool = False                 # actors outlive the driver that brought them up
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.models, dict) or not self.models:
+            raise ValueError("TopologyConfig.models must be a non-empty dict of name -> checkpoint dir")
+        for name, path in self.models.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"model names must be non-empty strings, got {name!r}")
+            if not Path(path).is_dir():
+                raise ValueError(f"model {name!r}: checkpoint dir {path!r} does not exist")
+        object.__setattr__(self, "models", {n: str(p) for n, p in self.models.items()})
+        for name in ("devices_per_node", "threads_per_worker"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"TopologyConfig.{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.slo, SLO):
+            raise ValueError(f"TopologyConfig.slo must be an SLO, got {self.slo!r}")
+        if self.placement_interval_s <= 0:
+            raise ValueError(f"placement_interval_s must be > 0, got {self.placement_interval_s!r}")
+        if self.watch_interval_s is not None and self.watch_interval_s <= 0:
+            raise ValueError(f"watch_interval_s must be > 0 or None, got {self.watch_interval_s!r}")
+        from actors.engine import EngineConfig   # validates the kwargs (names and values)
+
+        try:
+            EngineConfig(**self.engine)
+            PlacementConfig(**self.placement)
+            RoutingConfig(**self.routing)
+        except TypeError as exc:
+            raise ValueError(f"TopologyConfig: {exc}") from None
+
+
+class Topology:
+    """Handles of a running cluster. Created by bring_up (owns its actors) or connect_existing."""
+
+    def __init__(self, router, placement, config: TopologyConfig | None = None, owned: bool = False):
+        self.router = router
+        self.placement = placement
+        self.config = config
+        self.workers: dict[str, Any] = {}        # worker_id -> DeviceWorker handle
+        self.worker_nodes: dict[str, str] = {}   # worker_id -> node_id
+        self._owned = owned                      # kill router/placement on shutdown
+        self._lock = threading.RLock()
+        self._watcher: NodeWatcher | None = None
+
+    # ---- membership ------------------------------------------------------------------
+
+    def refresh_nodes(self) -> dict:
+        """Workers for nodes that joined; deregister workers of nodes that left.
+
+        Returns {"added": [worker ids], "removed": [worker ids]}.
+        """
+        import ray
+
+        if self.config is None:
+            raise ValueError("refresh_nodes needs a Topology made by bring_up (it knows the worker config)")
+        with self._lock:
+            nodes = {n.node_id: n for n in alive_nodes()}
+            gone = [w for w, n in self.worker_nodes.items() if n not in nodes]
+            for wid in gone:
+                ray.get(self.router.remove_worker.remote(wid), timeout=CALL_TIMEOUT_S)
+                self._forget(wid)
+            added = []
+            known = set(self.worker_nodes.values())
+            for node in nodes.values():
+                if node.node_id not in known:
+                    added += self._start_node(node)
+            if gone or added:
+                logger.info("topology: workers added %s, removed %s", added, gone)
+                ray.get(self.placement.replan.remote(), timeout=CALL_TIMEOUT_S)
+            return {"added": added, "removed": gone}
+
+    def prune_dead(self) -> list[str]:
+        """Forget workers the router has dropped (they died); returns their ids."""
+        import ray
+
+        with self._lock:
+            routed = ray.get(self.router.worker_handles.remote(), timeout=CALL_TIMEOUT_S)
+            dead = [w for w in self.workers if w not in routed]
+            for wid in dead:
+                self._forget(wid)
+            return dead
+
+    def start_watcher(self, interval_s: float = 1.0) -> None:
+        if self._watcher is None:
+            self._watcher = NodeWatcher(self.refresh_nodes, interval_s)
+
+    # ---- reading ---------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """Workers (node, role, registered and resident models, queue depths), the plan, the router."""
+        import ray
+
+        handles = ray.get(self.router.worker_handles.remote(), timeout=CALL_TIMEOUT_S)
+        refs = {wid: h.stats.remote() for wid, h in handles.items()}
+        workers = {}
+        for wid, ref in refs.items():
+            try:
+                s = ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except Exception as exc:   # a dead or stuck worker is reported, not raised
+                workers[wid] = {"alive": False, "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+                continue
+            workers[wid] = {"alive": True, "node_id": s.get("node_id"), "role": s.get("role"),
+                            "device": s.get("device"), "registered": s.get("registered", []),
+                            "resident": s.get("resident", []), "queue_depth": s.get("queue_depth", {}),
+                            "running": s.get("running", {}), "kv_free_frac": s.get("kv_free_frac")}
+        return {
+            "workers": workers,
+            "plan": ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
+            "router": ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S),
+        }
+
+    # ---- teardown --------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the watcher; kill what bring_up created (workers, and router/placement if it made them)."""
+        import ray
+
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self.config is None:   # connect_existing: nothing here is ours
+            return
+        with self._lock:
+            for handle in self.workers.values():
+                _kill(ray, handle)
+            self.workers.clear()
+            self.worker_nodes.clear()
+            if self._owned:
+                _kill(ray, self.placement)
+                _kill(ray, self.router)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _start_node(self, node: NodeResources) -> list[str]:
+        """Start, await and register the workers of one node; returns their ids."""
+        import ray
+
+        specs = worker_specs(node, self.config)
+        if not specs:
+            return []
+        handles = {s["worker_id"]: _spawn(s, self.config) for s in specs}
+        refs = {wid: h.ready.remote() for wid, h in handles.items()}
+        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=READY_TIMEOUT_S)
+        if pending:
+            late = [wid for wid, r in refs.items() if r in pending]
+            for h in handles.values():
+                _kill(ray, h)
+            raise RuntimeError(f"workers {late} on node {node.node_id} did not start within "
+                               f"{READY_TIMEOUT_S:.0f}s (is a GPU resource of that node in use elsewhere?)")
+        ray.get(ready)   # surface a constructor error
+        ray.get([self.router.add_worker.remote(wid, h, node.node_id) for wid, h in handles.items()])
+        for wid, h in handles.items():
+            self.workers[wid] = h
+            self.worker_nodes[wid] = node.node_id
+        return list(handles)
+
+    def _forget(self, worker_id: str) -> None:
+        import ray
+
+        handle = self.workers.pop(worker_id, None)
+        self.worker_nodes.pop(worker_id, None)
+        if handle is not None:
+            _kill(ray, handle)
+
+
+def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
+    """What workers a node gets: id, node, device, threads, engine config."""
+    gpus = int(node.num_gpus)
+    count = gpus if config.devices_per_node is None else min(config.devices_per_node, gpus)
+    if config.devices_per_node is not None and config.devices_per_node > gpus:
+        logger.warning("node %s declares %d GPU(s); starting %d worker(s), not %d",
+                       node.node_id, gpus, count, config.devices_per_node)
+    if count == 0:
+        return []
+    real_gpu = any(k.startswith("accelerator_type:") for k in node.resources)
+    device = config.engine.get("device") or ("cuda" if real_gpu else "cpu")
+    threads = config.threads_per_worker or max(1, int(node.num_cpus) // count)
+    short = node.node_id[:8]
+    return [{"worker_id": f"{short}-gpu{i}", "node_id": node.node_id,
+             "engine": {**config.engine, "device": device}, "num_threads": threads,
+             "shared_kv": config.shared_kv and device == "cpu"} for i in range(count)]
+
+
+def bring_up(config: TopologyConfig) -> Topology:
+    """Router, placement service and one DeviceWorker per device per alive node, wired up."""
+    import ray
+
+    if not ray.is_initialized():
+        raise ValueError("bring_up needs a connected Ray; call cluster.ray_runtime.connect_or_start() first")
+    owned = not (_named_exists(ray, ROUTER_NAME) or _named_exists(ray, PLACEMENT_NAME))
+    router = get_or_create_router(detached=config.detached, routing_config=config.routing)
+    slos = {m: dataclasses.asdict(config.slo) for m in config.models}
+    placement = get_or_create_placement(detached=config.detached, models=dict(config.models), slos=slos,
+                                        config=config.placement, interval_s=config.placement_interval_s,
+                                        router=router)
+    ray.get(placement.start.remote(), timeout=CALL_TIMEOUT_S)
+    topology = Topology(router, placement, config, owned=owned)
+    try:
+        for node in alive_nodes():
+            topology._start_node(node)
+        if not topology.workers:
+            raise RuntimeError("no node of the cluster offers a GPU resource; start Ray with num_gpus "
+                               "(virtual devices on CPU hosts, see cluster/ray_runtime.py)")
+        plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
+        if plan.get("unplaceable"):
+            logger.warning("topology: models that fit no worker: %s", plan["unplaceable"])
+    except BaseException:
+        topology.shutdown()
+        raise
+    if config.watch_interval_s is not None:
+        topology.start_watcher(config.watch_interval_s)
+    logger.info("topology up: %d workers on %d node(s)", len(topology.workers),
+                len(set(topology.worker_nodes.values())))
+    return topology
+
+
+def connect_existing(namespace: str | None = None) -> Topology:
+    """Handles of a cluster someone else brought up (by actor names); shutdown() leaves it running."""
+    import ray
+
+    if not ray.is_initialized():
+        raise ValueError("connect_existing needs a connected Ray; call cluster.ray_runtime.connect_or_start()")
+    try:
+        router = ray.get_actor(ROUTER_NAME, namespace=namespace)
+        placement = ray.get_actor(PLACEMENT_NAME, namespace=namespace)
+    except ValueError as exc:
+        raise ValueError(f"no tokenmux cluster is running in this Ray namespace: {exc}") from None
+    topology = Topology(router, placement)
+    topology.workers = ray.get(router.worker_handles.remote(), timeout=CALL_TIMEOUT_S)
+    return topology
+
+
+def _spawn(spec: dict, config: TopologyConfig):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.worker import DeviceWorker
+
+    options: dict = {"num_gpus": 1, "num_cpus": 0,
+                     "scheduling_strategy": NodeAffinitySchedulingStrategy(spec["node_id"], soft=False)}
+    if config.detached:
+        options["lifetime"] = "detached"
+    return ray.remote(DeviceWorker).options(**options).remote(
+        spec["worker_id"], spec["engine"], num_threads=spec["num_threads"], node_id=spec["node_id"],
+        **({"shared_kv": True} if spec["shared_kv"] else {}))
+
+
+def _named_exists(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _kill(ray, handle) -> None:
+    try:
+        ray.kill(handle)
+    except Exception:   # already dead, or its node is gone
+        pass
