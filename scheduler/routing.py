@@ -110,7 +110,8 @@ class WorkerView:
                 load[model] += int(n)
         for model, n in (extra_load or {}).items():
             load[model] = max(load[model], int(n))
-        device = stats.get("device") or {}
+        device = stats.get("device")
+        device = device if isinstance(device, Mapping) else {}   # a DeviceWorker reports "cpu"/"cuda"
         return cls(
             worker_id=str(stats["worker_id"]),
             node_id=str(stats.get("node_id", "")),
