@@ -99,12 +99,29 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+# ---- loadtest -------------------------------------------------------------------------
+
+
+def _loadtest_parser(parser: argparse.ArgumentParser) -> None:
+    from load_tests.runner import add_arguments  # stdlib-only at import; the heavy parts load in run
+
+    add_arguments(parser)
+    parser.set_defaults(run=_loadtest)
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    from load_tests.runner import run
+
+    return run(args)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "zoo": ("build or list the offline model zoo", _zoo_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
+    "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),
 }
 
 
