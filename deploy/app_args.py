@@ -1,0 +1,122 @@
+"""Typed arguments of the Serve app (`deploy.app:build_app`), as `serve deploy` passes them.
+
+    args:
+      models: {llama-a: zoo:llama-tiny-a, qwen: /ckpt/Qwen2.5-0.5B-Instruct}
+      slo: {ttft_s: 5.0, tbt_s: 0.2}
+      budget_gb: 40            # or budget_bytes; per device: weight slots + KV region
+      kv_fraction: 0.3         # of the budget, for the unified KV pool
+      num_slots: 3             # resident models per device (incl. the prefetch slot)
+      policy: token            # token | request | dedicated
+      devices_per_node: 2      # virtual devices per node on CPU hosts (omit on GPUs)
+
+A model is a local checkpoint directory, or `zoo:NAME` for a model of the offline zoo
+(built on first use). Unknown keys are refused, and every error names its field.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ZOO_PREFIX = "zoo:"
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_BUDGET_BYTES = 256 * MiB
+
+
+class SLOArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_s: float = Field(10.0, gt=0, description="time to first token, seconds")
+    tbt_s: float = Field(0.5, gt=0, description="time between tokens, seconds")
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: dict[str, str] = Field(..., description="name -> local checkpoint dir, or zoo:NAME")
+    slo: SLOArgs = Field(default_factory=SLOArgs)
+    budget_bytes: int | None = Field(None, gt=0, description="device budget in bytes")
+    budget_gb: float | None = Field(None, gt=0, description="device budget in GiB")
+    kv_fraction: float = Field(0.25, gt=0, lt=1, description="share of the budget for the KV pool")
+    host_kv_gb: float = Field(0.25, ge=0, description="host swap space for preempted KV (0: recompute)")
+    num_slots: int = Field(3, ge=1, le=64)
+    policy: Literal["token", "request", "dedicated"] = "token"
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    devices_per_node: int | None = Field(None, ge=1, description="virtual devices per node (CPU hosts)")
+    threads_per_worker: int | None = Field(None, ge=1, description="torch threads per worker (CPU hosts)")
+    max_tokens_cap: int = Field(4096, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    num_ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="per ingress replica (Serve's default is 5)")
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, models: dict[str, str]) -> dict[str, str]:
+        if not models:
+            raise ValueError("give at least one model: {name: checkpoint dir or zoo:NAME}")
+        for name, source in models.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"model name {name!r} must be non-empty, without surrounding spaces")
+            if not source.strip():
+                raise ValueError(f"model {name!r}: empty source; give a checkpoint dir or zoo:NAME")
+            if source.startswith(ZOO_PREFIX):
+                from actors import zoo
+
+                zoo_name = source[len(ZOO_PREFIX):]
+                if zoo_name not in zoo.ZOO:
+                    raise ValueError(f"model {name!r}: unknown zoo model {zoo_name!r}; known: {', '.join(zoo.ZOO)}")
+        return models
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "AppArgs":
+        if self.budget_bytes is not None and self.budget_gb is not None:
+            raise ValueError("give budget_bytes or budget_gb, not both")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_cap "
+                             f"({self.max_tokens_cap})")
+        return self
+
+    @property
+    def device_budget_bytes(self) -> int:
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if self.budget_gb is not None:
+            return int(self.budget_gb * GiB)
+        return DEFAULT_BUDGET_BYTES
+
+    def engine_config(self) -> dict:
+        """EngineConfig kwargs for every worker (actors/engine.py)."""
+        budget = self.device_budget_bytes
+        slab = 4 * MiB if budget >= 1 * GiB else 1 * MiB
+        kv = max(slab, int(budget * self.kv_fraction) // slab * slab)
+        config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": self.num_slots, "slab_bytes": slab,
+                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy}
+        if self.dtype is not None:
+            config["dtype"] = self.dtype
+        return config
+
+
+def parse_app_args(args: "dict | AppArgs") -> AppArgs:
+    """AppArgs from a dict (a serve config's `args`); pydantic's errors name each field."""
+    if isinstance(args, AppArgs):
+        return args
+    if not isinstance(args, dict):
+        raise ValueError(f"app args must be a mapping, got {type(args).__name__}")
+    return AppArgs.model_validate(args)
+
+
+def resolve_model_sources(models: dict[str, str], progress=None) -> dict[str, str]:
+    """name -> local checkpoint dir; zoo models are built if missing (`progress(name, i, n)`)."""
+    resolved = {}
+    for i, (name, source) in enumerate(models.items()):
+        if progress is not None:
+            progress(name, i, len(models))
+        if source.startswith(ZOO_PREFIX):
+            from actors import zoo
+
+            resolved[name] = str(zoo.ensure_model(source[len(ZOO_PREFIX):]))
+        else:
+            resolved[name] = source
+    return resolved

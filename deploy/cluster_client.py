@@ -1,0 +1,131 @@
+"""ClusterEngineClient: the real `EngineClient` of the ingress (router + DeviceWorkers).
+
+One request: `router.pick(model, slo)` -> `(worker_id, handle)`, then stream
+`handle.generate(req)` (a Ray streaming generator of OutputFrame dicts; several tokens
+per frame), then `router.release` when it ends, however it ends. The router sits on one
+call per request; the tokens flow worker -> ingress directly.
+
+Failures: a worker that dies before the request produced a token is reported to the
+router (`report_failure`, which drops it from routing) and the request goes to another
+worker; after tokens were produced, re-running it would repeat or change text the client
+already has, so it ends with an error frame instead — nothing is silently lost.
+`abort(request_id)` cancels the worker's generator (`ray.cancel`); the worker aborts the
+request and frees its KV blocks when its consumer goes away.
+
+Never `ray.get` here: everything is awaited on the ingress's event loop.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Mapping
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from deploy.engine_client import ModelInfo, TokenizerCache
+from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+
+logger = logging.getLogger(__name__)
+
+_WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
+    """ModelInfo (name, path, max_context) of each name -> checkpoint dir; reads headers only."""
+    from actors.model_spec import ModelSpec
+
+    return [ModelInfo(name, str(path), ModelSpec.from_dir(path).max_position_embeddings)
+            for name, path in models.items()]
+
+
+class ClusterEngineClient:
+    def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3) -> None:
+        if max_dispatches < 1:
+            raise ValueError(f"max_dispatches must be >= 1, got {max_dispatches}")
+        infos = model_infos(models) if isinstance(models, Mapping) else list(models)
+        if not infos:
+            raise ValueError("ClusterEngineClient needs at least one model")
+        self.router = router
+        self.max_dispatches = max_dispatches
+        self._models = {m.name: m for m in infos}
+        self._tokenizers = TokenizerCache()
+        self._streams: dict[str, Any] = {}  # request_id -> the worker's streaming generator
+        self.num_redispatched = 0
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._models.values())
+
+    def tokenizer(self, model: str) -> Any:
+        info = self._models.get(model)
+        if info is None:
+            raise ValueError(f"unknown model {model!r}; served: {sorted(self._models)}")
+        return self._tokenizers.get(model, info.path)
+
+    async def abort(self, request_id: str) -> None:
+        gen = self._streams.pop(request_id, None)
+        if gen is not None:
+            ray.cancel(gen)  # non-blocking: the worker's generator gets CancelledError and aborts
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        slo = asdict(req.slo)
+        payload = req.to_dict()
+        tried: list[str] = []
+        for _ in range(self.max_dispatches):
+            try:
+                worker_id, handle = await self.router.pick.remote(req.model, slo)
+            except Exception as exc:  # NoWorkerError (a RayTaskError), or the router is gone
+                yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}")
+                return
+            tried.append(worker_id)
+            produced = False
+            finished = False
+            gen = handle.generate.remote(payload)
+            self._streams[req.request_id] = gen
+            try:
+                async for ref in gen:
+                    frame = OutputFrame.from_dict(await ref)
+                    produced = produced or bool(frame.token_ids or frame.text)
+                    finished = frame.finished
+                    yield frame
+                    if finished:
+                        return
+                yield _error(req, f"worker {worker_id} ended the stream without a finish reason")
+                finished = True
+                return
+            except _WORKER_GONE as exc:
+                if produced:
+                    logger.warning("worker %s died mid-stream of %s: %s", worker_id, req.request_id, exc)
+                    finished = True
+                    yield _error(req, f"worker {worker_id} died after the request produced tokens; "
+                                      f"partial output was kept: {_cause(exc)}", worker_id)
+                    return
+                logger.warning("worker %s died before %s produced a token: re-dispatching",
+                               worker_id, req.request_id)
+                await self.router.report_failure.remote(worker_id)
+                self.num_redispatched += 1
+            except ray.exceptions.TaskCancelledError:
+                finished = True  # aborted by us; the consumer is gone
+                return
+            except ray.exceptions.RayTaskError as exc:
+                finished = True
+                yield _error(req, f"worker {worker_id} failed: {_cause(exc)}", worker_id)
+                return
+            finally:
+                if self._streams.get(req.request_id) is gen:
+                    del self._streams[req.request_id]
+                    if not finished:  # left early (closed or cancelled): stop the worker's work
+                        ray.cancel(gen)
+                self.router.release.remote(worker_id, req.model)  # fire and forget: never block a finally
+        yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}")
+
+
+def _error(req: GenerateRequest, message: str, worker_id: str | None = None) -> OutputFrame:
+    return OutputFrame(req.request_id, finish_reason=FINISH_ERROR, error=message,
+                       num_prompt_tokens=len(req.prompt_token_ids), worker_id=worker_id)
+
+
+def _cause(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    text = str(cause) if cause is not None else str(exc)
+    return text.strip().splitlines()[-1] if text.strip() else type(exc).__name__

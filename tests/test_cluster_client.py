@@ -1,0 +1,145 @@
+"""ClusterEngineClient against a real GlobalRouter and real DeviceWorkers (tiny zoo model).
+
+The router polls rarely here (60 s), so a killed worker is still in its view: the client
+itself must notice the death, report it and re-dispatch.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from scheduler.messages import GenerateRequest
+from scheduler.sampling_params import SamplingParams
+
+MiB = 1 << 20
+CONFIG = {"budget_bytes": 64 * MiB, "kv_bytes": 16 * MiB, "num_slots": 2, "slab_bytes": 96 * 1024 * 4,
+          "host_kv_bytes": 8 * MiB}
+MODEL = "llama-tiny-a"
+
+
+@pytest.fixture
+def cluster(ray_session, zoo_model):
+    """`cluster(n)` -> (router, {worker_id: handle}, model path): fresh actors per test."""
+    import ray
+
+    from actors.router import GlobalRouter
+    from actors.worker import DeviceWorker
+
+    path = str(zoo_model(MODEL))
+    actors = []
+
+    def make(num_workers: int):
+        router = GlobalRouter.remote(poll_interval_s=60.0)
+        actors.append(router)
+        workers = {}
+        for i in range(num_workers):
+            w = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"w{i}", CONFIG, num_threads=1)
+            actors.append(w)
+            workers[f"w{i}"] = w
+        ray.get([w.ready.remote() for w in workers.values()])
+        ray.get([w.register_model.remote(MODEL, path) for w in workers.values()])
+        ray.get([router.add_worker.remote(wid, w, "node-0") for wid, w in workers.items()])
+        return router, workers, path
+
+    yield make
+    for actor in actors:
+        ray.kill(actor)
+
+
+def _request(rid: str, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(rid, MODEL, (5, 17, 42, 9), SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                      temperature=0.0))
+
+
+async def _collect(client, req):
+    return [frame async for frame in client.generate(req)]
+
+
+def test_streams_a_whole_request_and_releases_it(cluster):
+    import ray
+
+    from deploy.cluster_client import ClusterEngineClient
+
+    router, workers, path = cluster(1)
+    client = ClusterEngineClient(router, {MODEL: path})
+    assert [m.name for m in client.models()] == [MODEL] and client.models()[0].max_context > 0
+    frames = asyncio.run(_collect(client, _request("r1", 12)))
+    assert sum(len(f.token_ids) for f in frames) == 12, frames
+    assert frames[-1].finish_reason == "length" and frames[-1].worker_id == "w0"
+    deadline = time.monotonic() + 5
+    while ray.get(router.status.remote())["pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.get(router.status.remote())["pending"] == {}   # released
+
+
+def test_worker_killed_before_the_first_token_is_redispatched(cluster):
+    import ray
+
+    from deploy.cluster_client import ClusterEngineClient
+
+    router, workers, path = cluster(2)
+    client = ClusterEngineClient(router, {MODEL: path})
+    doomed, _ = ray.get(router.pick.remote(MODEL))   # the worker the router picks for this model
+    ray.get(router.release.remote(doomed, MODEL))
+    ray.kill(workers[doomed])
+    frames = asyncio.run(_collect(client, _request("r2", 10)))
+    survivor = next(w for w in workers if w != doomed)
+    assert client.num_redispatched == 1
+    assert frames[-1].finish_reason == "length", frames[-1].error
+    assert sum(len(f.token_ids) for f in frames) == 10
+    assert {f.worker_id for f in frames} == {survivor}
+    assert set(ray.get(router.status.remote())["workers"]) == {survivor}   # reported and removed
+
+
+def test_worker_killed_mid_stream_ends_with_an_error_frame_keeping_the_tokens(cluster):
+    import ray
+
+    from deploy.cluster_client import ClusterEngineClient
+
+    router, workers, path = cluster(1)
+    client = ClusterEngineClient(router, {MODEL: path})
+
+    async def main():
+        frames = []
+        async for frame in client.generate(_request("r3", 400)):
+            frames.append(frame)
+            if len(frames) == 1:
+                assert frame.token_ids
+                ray.kill(workers[frame.worker_id])
+        return frames
+
+    frames = asyncio.run(main())
+    assert frames[-1].finish_reason == "error"
+    assert "died" in frames[-1].error and "w0" in frames[-1].error
+    assert 0 < sum(len(f.token_ids) for f in frames) < 400
+    assert client.num_redispatched == 0
+
+
+def test_abort_mid_stream_frees_the_workers_kv(cluster):
+    import ray
+
+    from deploy.cluster_client import ClusterEngineClient
+
+    router, workers, path = cluster(1)
+    client = ClusterEngineClient(router, {MODEL: path})
+    worker = workers["w0"]
+
+    async def main():
+        frames = client.generate(_request("r4", 2000))
+        first = await frames.__anext__()
+        busy = await worker.stats.remote()
+        await client.abort("r4")
+        await frames.aclose()
+        return first, busy
+
+    first, busy = asyncio.run(main())
+    assert first.token_ids and busy["running"] == {MODEL: 1} and busy["kv_free_frac"] < 1.0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = ray.get(worker.stats.remote())
+        if not stats["running"] and not stats["queue_depth"] and stats["kv_free_frac"] == 1.0:
+            break
+        time.sleep(0.1)
+    assert not stats["running"] and not stats["queue_depth"] and stats["kv_free_frac"] == 1.0
