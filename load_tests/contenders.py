@@ -1,0 +1,251 @@
+"""The contenders of a side-by-side load test, each brought up on the same devices and budgets.
+
+    token        DeviceWorkers, policy "token"     (tokenmux: models switch between decode steps)
+    request      DeviceWorkers, policy "request"   (a model runs until its requests finish)
+    dedicated    DeviceWorkers, policy "dedicated" (one model per worker, no switching)
+    multiplexed  Ray Serve @serve.multiplexed over transformers models (the peer, LRU swaps)
+
+Every contender gets `num_workers` devices (Ray actors with num_gpus=1, num_cpus=0 and
+`threads_per_worker` torch threads each) and the same engine budget (device bytes and
+weight slots); the peer's replicas hold at most `num_slots` models each, its LRU cache
+size. For the DeviceWorker contenders dispatch is a fixed assignment, the same for every
+policy: model i of the deployment's list (most popular first) is served by worker
+i mod W, so each worker multiplexes the same models under each policy. `dedicated` gives
+worker i model i alone; models beyond the W-th have no worker, and their requests fail
+(counted as SLO misses): that is what a fleet with fewer devices than models gets.
+
+A contender is started, warmed up, measured and stopped before the next one starts:
+contenders never share the cores while they are measured.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from load_tests.driver import Prompt, Target, TargetError
+from load_tests.metrics import RequestRecord, Turn
+from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.sampling_params import SamplingParams
+from scheduler.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+ENGINE_POLICIES = ("token", "request", "dedicated")
+CONTENDERS = (*ENGINE_POLICIES, "multiplexed")
+TIMELINE_LEN = 200_000  # steps kept per worker: a whole sweep point's timeline
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What every contender is given: the same models, devices, budgets and SLO."""
+
+    models: dict[str, str]  # served name -> checkpoint dir; order = popularity rank
+    num_workers: int
+    engine: dict  # EngineConfig kwargs shared by every worker (budget_bytes, kv_bytes, num_slots, ...)
+    threads_per_worker: int = 1
+    slo: SLO = field(default_factory=SLO)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a deployment needs at least one model")
+        object.__setattr__(self, "models", dict(self.models))
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int, got {self.num_workers!r}")
+        if self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker!r}")
+        if "policy" in self.engine:
+            raise ValueError("the engine config of a deployment must not set policy: each contender sets its own")
+        if int(self.engine.get("num_slots", 3)) < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.engine.get('num_slots')!r}")
+
+    @property
+    def num_slots(self) -> int:
+        from actors.engine import EngineConfig
+
+        return int(self.engine.get("num_slots", EngineConfig.num_slots))
+
+    def assignment(self, policy: str) -> dict[str, int]:
+        """Served model -> worker index (see the module docstring)."""
+        names = list(self.models)
+        if policy == "dedicated":
+            return {m: i for i, m in enumerate(names[: self.num_workers])}
+        return {m: i % self.num_workers for i, m in enumerate(names)}
+
+
+class Contender(ABC):
+    """One system under test: start(deployment) -> driver Target; stop(); turns()."""
+
+    name: str
+
+    @abstractmethod
+    def start(self, deployment: Deployment) -> Target: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    @abstractmethod
+    def turns(self, since: float, records: Sequence[RequestRecord] = ()) -> list[Turn]:
+        """Which model ran when on each worker since wall-clock `since` (time.time()),
+        in seconds from `since`; `records` are the run's, for contenders without a timeline."""
+
+    def notes(self, deployment: Deployment) -> list[str]:
+        return []
+
+
+def make_contender(name: str) -> Contender:
+    if name in ENGINE_POLICIES:
+        return EngineContender(name)
+    if name == "multiplexed":
+        return MultiplexedContender()
+    raise ValueError(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
+
+
+# ---------------------------------------------------------------- DeviceWorker contenders
+
+
+class EngineTarget:
+    """A driver Target that sends each request to the worker its model is assigned to."""
+
+    def __init__(self, workers: dict[str, object], slo: SLO, policy: str):
+        self.workers = workers  # served model -> DeviceWorker handle
+        self.slo = slo
+        self.policy = policy
+        self._ids = itertools.count()
+
+    async def stream(self, model: str, prompt: Prompt, max_tokens: int,
+                     request_id: str) -> AsyncIterator[OutputFrame]:
+        import ray
+
+        worker = self.workers.get(model)
+        if worker is None:
+            raise TargetError(f"no worker serves model {model!r} under the {self.policy} policy")
+        if isinstance(prompt, str):
+            raise ValueError("DeviceWorker targets take token-id prompts; run the driver with vocab_size")
+        # ids stay unique on the worker across sweep points and warm-ups
+        req = GenerateRequest(f"{request_id}.{next(self._ids)}", model, tuple(prompt),
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True), self.slo,
+                              arrival_time=time.time())
+        gen = worker.generate.remote(req.to_dict())
+        finished = False
+        try:
+            async for ref in gen:
+                frame = OutputFrame.from_dict(await ref)
+                finished = frame.finished
+                yield frame
+        finally:
+            if not finished:
+                ray.cancel(gen)  # the worker aborts the request and frees its KV
+
+
+class EngineContender(Contender):
+    def __init__(self, policy: str):
+        if policy not in ENGINE_POLICIES:
+            raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
+        self.name = policy
+        self.actors: list = []
+
+    def start(self, deployment: Deployment) -> Target:
+        import ray
+
+        from actors.worker import DeviceWorker
+
+        if self.actors:
+            raise RuntimeError(f"contender {self.name} is already started")
+        config = {**deployment.engine, "policy": self.name, "timeline_len": TIMELINE_LEN}
+        remote = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
+        self.actors = [remote.remote(f"{self.name}-w{i}", config, num_threads=deployment.threads_per_worker)
+            for i in range(deployment.num_workers)]
+        ray.get([a.ready.remote() for a in self.actors])
+        assignment = deployment.assignment(self.name)
+        ray.get([self.actors[w].register_model.remote(m, deployment.models[m])
+                 for m, w in assignment.items()])
+        logger.info("%s: %d workers, models per worker %s", self.name, len(self.actors),
+                    [sum(1 for w in assignment.values() if w == i) for i in range(len(self.actors))])
+        return EngineTarget({m: self.actors[w] for m, w in assignment.items()}, deployment.slo, self.name)
+
+    def stop(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+    def turns(self, since: float, records: Sequence[RequestRecord] = ()) -> list[Turn]:
+        import ray
+
+        timelines = ray.get([a.timeline.remote() for a in self.actors])
+        turns = []
+        for i, steps in enumerate(timelines):
+            worker = f"w{i}"
+            for model, start, end, _ in steps:
+                if start < since:
+                    continue
+                start, end = start - since, end - since
+                if turns and turns[-1].worker == worker and turns[-1].model == model:
+                    turns[-1] = Turn(worker, model, turns[-1].start, end)  # consecutive steps: one turn
+                else:
+                    turns.append(Turn(worker, model, start, end))
+        return turns
+
+    def notes(self, deployment: Deployment) -> list[str]:
+        if self.name == "dedicated" and len(deployment.models) > deployment.num_workers:
+            unserved = list(deployment.models)[deployment.num_workers:]
+            return [f"dedicated: {len(unserved)} of {len(deployment.models)} models have no worker "
+                    f"({deployment.num_workers} workers, one model each); their requests fail and "
+                    f"count as SLO misses"]
+        return []
+
+
+# ---------------------------------------------------------------- the Ray Serve peer
+
+
+class MultiplexedContender(Contender):
+    name = "multiplexed"
+
+    def __init__(self, app_name: str = "loadtest-multiplexed"):
+        self.app_name = app_name
+        self._shutdown = None
+
+    def start(self, deployment: Deployment) -> Target:
+        from load_tests.peers.serve_multiplexed import start_multiplexed
+
+        if self._shutdown is not None:
+            raise RuntimeError("contender multiplexed is already started")
+        target, self._shutdown = start_multiplexed(
+            deployment.models, num_replicas=deployment.num_workers,
+            max_models_per_replica=deployment.num_slots,
+            threads_per_replica=deployment.threads_per_worker, app_name=self.app_name)
+        return target
+
+    def stop(self) -> None:
+        if self._shutdown is not None:
+            self._shutdown()
+            self._shutdown = None
+
+    def turns(self, since: float, records: Sequence[RequestRecord] = ()) -> list[Turn]:
+        # A replica generates one request at a time, so a request's token span is its turn.
+        return [Turn(r.worker_id, r.model, r.token_times[0], r.token_times[-1])
+                for r in records if r.ok and r.worker_id]
+
+
+async def warm_up(target: Target, models: Sequence[str], *, prompt_len: int = 8,
+                  max_tokens: int = 2, timeout_s: float = 120.0) -> dict[str, str | None]:
+    """One short request per model, one after another: weights loaded, code paths compiled.
+    Returns {model: error or None}; a model no worker serves (dedicated) shows its error."""
+    errors: dict[str, str | None] = {}
+    for i, model in enumerate(models):
+        prompt = [10 + (i + k) % 100 for k in range(prompt_len)]
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in target.stream(model, prompt, max_tokens, f"warmup-{i}"):
+                    if isinstance(chunk, OutputFrame) and chunk.error:
+                        raise TargetError(chunk.error)
+            errors[model] = None
+        except Exception as e:  # a warm-up failure is reported, the measured run decides
+            errors[model] = f"{type(e).__name__}: {e}"
+    return errors

@@ -1,0 +1,125 @@
+"""Default SLOs of a load test, derived from step times measured on this machine.
+
+Every contender is judged against the same SLO, so it must not favour any of them: it is
+set from what one model costs alone on one worker's share of the cores (one engine, no
+Ray, no traffic), the way a provider sets SLOs from a model's dedicated latency:
+
+    TBT SLO  = tbt_factor  x decode step   (a batch of `batch_size` requests)
+    TTFT SLO = ttft_factor x (prefill of one prompt of `prompt_len` tokens + one weight swap-in)
+
+Aegaeon judges 7B-class models (decode steps of ~20-40 ms on an H-class GPU) against a
+TBT SLO of ~100 ms and a TTFT SLO of seconds: factors of about 3-5 and 10-50. The defaults
+below sit in that range; the report states the measured times and the factors.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from scheduler.slo import SLO
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TBT_FACTOR = 5.0
+DEFAULT_TTFT_FACTOR = 20.0
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Median step times of one model on one engine, in seconds."""
+
+    model_path: str
+    prompt_len: int
+    batch_size: int
+    num_threads: int
+    prefill_s: float  # one prompt of prompt_len tokens
+    decode_s: float  # one decode step of batch_size requests
+    switch_s: float  # one swap-in of the model's weights into a device slot
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_s", "decode_s", "switch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_slo(times: StepTimes, *, tbt_factor: float = DEFAULT_TBT_FACTOR,
+                ttft_factor: float = DEFAULT_TTFT_FACTOR) -> SLO:
+    """The SLO every contender is judged by (see the module docstring)."""
+    if not tbt_factor > 0 or not ttft_factor > 0:
+        raise ValueError(f"factors must be > 0, got tbt_factor={tbt_factor!r} ttft_factor={ttft_factor!r}")
+    return SLO(ttft_s=round(ttft_factor * (times.prefill_s + times.switch_s), 4),
+               tbt_s=round(tbt_factor * times.decode_s, 4))
+
+
+def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_size: int = 4,
+                       num_decode_steps: int = 16, num_threads: int = 1,
+                       repeats: int = 3) -> StepTimes:
+    """Run one engine in this process (torch threads = one worker's share) and time its steps.
+
+    Prefill: `repeats` single prompts of prompt_len tokens. Decode: a batch of batch_size
+    requests for num_decode_steps steps. Switch: swap-ins between two names of the model
+    with one slot. Medians, after one warm-up of each.
+    """
+    import torch
+
+    from actors.engine import Engine, EngineConfig
+    from scheduler.messages import GenerateRequest
+    from scheduler.sampling_params import SamplingParams
+
+    for name, v in (("prompt_len", prompt_len), ("batch_size", batch_size),
+                    ("num_decode_steps", num_decode_steps), ("num_threads", num_threads),
+                    ("repeats", repeats)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        engine = Engine(EngineConfig(budget_bytes=_budget_for(model_path), kv_bytes=32 * MiB,
+                                     num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0))
+        engine.register_model("a", str(model_path))
+        engine.register_model("b", str(model_path))
+        n = 0
+
+        def run(num_requests: int, max_tokens: int) -> list[tuple]:
+            nonlocal n
+            engine.timeline.clear()
+            for _ in range(num_requests):
+                prompt = [(n * 7 + i) % 1000 + 10 for i in range(prompt_len)]
+                engine.add_request(GenerateRequest(f"m{n}", "a", prompt,
+                                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+                n += 1
+            while engine.has_unfinished():
+                engine.step()
+            return list(engine.timeline)
+
+        run(1, 2)  # warm-up: first touches of the weights and the KV pool
+        prefills = [end - start for _ in range(repeats)
+                    for _, start, end, is_prefill in run(1, 1) if is_prefill]
+        decodes = [end - start for _, start, end, is_prefill in run(batch_size, num_decode_steps + 1)
+                   if not is_prefill]
+        switches = []
+        for i in range(2 * repeats + 1):
+            t0 = time.perf_counter()
+            engine.slots.ensure_resident("ab"[i % 2])
+            switches.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old_threads)
+    times = StepTimes(str(model_path), prompt_len, batch_size, num_threads,
+                      prefill_s=statistics.median(prefills), decode_s=statistics.median(decodes),
+                      switch_s=statistics.median(switches[1:]))
+    logger.info("step times of %s: %s", model_path, times)
+    return times
+
+
+def _budget_for(model_path: str | Path) -> int:
+    from actors.model_spec import ModelSpec
+
+    weight_bytes = ModelSpec.from_dir(model_path).weight_bytes
+    return 32 * MiB + weight_bytes + 8 * MiB
