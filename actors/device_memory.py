@@ -27,7 +27,10 @@ def format_bytes(n: int) -> str:
 
 
 class DeviceMemory:
-    def __init__(self, total_bytes: int, kv_bytes: int, num_slots: int, device: str | torch.device = "cpu"):
+    def __init__(self, total_bytes: int, kv_bytes: int, num_slots: int, device: str | torch.device = "cpu",
+                 kv_buffer: torch.Tensor | None = None):
+        """kv_buffer: an external uint8 buffer `[>= kv_bytes]` for the KV region (e.g. a node-shared
+        region, so a KV handoff exports without a copy); the budget still counts it."""
         for name, value in (("total_bytes", total_bytes), ("kv_bytes", kv_bytes), ("num_slots", num_slots)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -45,11 +48,16 @@ class DeviceMemory:
         self.kv_bytes = kv_bytes
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.buffer = torch.empty(total_bytes, dtype=torch.uint8, device=self.device)   # [total_bytes]
+        if kv_buffer is not None and (kv_buffer.dtype != torch.uint8 or kv_buffer.dim() != 1
+                                      or kv_buffer.numel() < kv_bytes or kv_buffer.device != self.device):
+            raise ValueError(f"kv_buffer must be a 1-D uint8 tensor of >= {kv_bytes} bytes on {self.device}, got "
+                             f"{kv_buffer.dtype} {tuple(kv_buffer.shape)} on {kv_buffer.device}")
+        own_kv = kv_end if kv_buffer is None else 0
+        self.buffer = torch.empty(own_kv + num_slots * slot_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cpu":
             self.buffer.zero_()   # commit the pages now, so the first swap-in does not fault them in
-        self.kv_buffer = self.buffer[:kv_bytes]                                        # [kv_bytes]
-        self._slots = [self.buffer[kv_end + i * slot_bytes: kv_end + (i + 1) * slot_bytes]
+        self.kv_buffer = (self.buffer if kv_buffer is None else kv_buffer)[:kv_bytes]  # [kv_bytes]
+        self._slots = [self.buffer[own_kv + i * slot_bytes: own_kv + (i + 1) * slot_bytes]
                        for i in range(num_slots)]                                      # each [slot_bytes]
         logger.info("device memory on %s: %s = KV %s + %d slots of %s", self.device,
                     format_bytes(total_bytes), format_bytes(kv_bytes), num_slots, format_bytes(slot_bytes))

@@ -78,11 +78,12 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, host_cache: HostWeightCache | None = None, clock=time.time):
+    def __init__(self, config: EngineConfig, host_cache: HostWeightCache | None = None, clock=time.time,
+                 kv_buffer: torch.Tensor | None = None):
         self.config = config
         self.clock = clock
         self.device = torch.device(config.device)
-        self.memory = DeviceMemory(config.budget_bytes, config.kv_bytes, config.num_slots, self.device)
+        self.memory = DeviceMemory(config.budget_bytes, config.kv_bytes, config.num_slots, self.device, kv_buffer)
         self.kv_pool = DeviceKVPool(self.memory.kv_buffer, config.slab_bytes)
         self.blocks = BlockManager(self.kv_pool.num_slabs, config.slab_bytes)
         host_slabs = config.host_kv_bytes // config.slab_bytes
@@ -99,6 +100,7 @@ class Engine:
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
+        self.held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
 
     # -- models ---------------------------------------------------------------------------
 
@@ -244,6 +246,84 @@ class Engine:
             frames.append(OutputFrame(request_id, finish_reason=FINISH_ERROR, error=message))
         return frames
 
+    # -- KV handoff (actors/handoff.py drives these on the engine thread, between steps) -----
+
+    def detach(self, request_id: str) -> Request | None:
+        """Take a RUNNING request out of scheduling; its KV blocks stay allocated (held) for export.
+
+        None when it has no KV on the device now (queued, swapped out, finished). Follow with
+        release_held (handed off) or reattach (continue here)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
+            return None
+        _policy_forget(self.policy, request)
+        self.held[request_id] = (self.requests.pop(request_id), self.outputs.pop(request_id))
+        return request
+
+    def release_held(self, request_id: str) -> None:
+        """The held request was handed off: free its blocks."""
+        request, _ = self.held.pop(request_id)
+        self.blocks.free(_kv_shape(self.models[request.model].spec, self.models[request.model].dtype),
+                         request.block_ids)
+
+    def reattach(self, request_id: str) -> None:
+        """A handoff did not happen: the held request continues here, KV untouched."""
+        request, assembler = self.held.pop(request_id)
+        self.requests[request_id], self.outputs[request_id] = request, assembler
+        _policy_adopt(self.policy, request)
+
+    def kv_views(self, model: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pool as blocks of `model`: (view `[slabs, per_slab, L, 2, 16, H, D]`, grid
+        `[slabs * per_slab, L, 2, 16, H, D]` indexed by block id, or None when slabs have a tail)."""
+        m = self._model(model)
+        view = self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype)
+        grid = None
+        if self.config.slab_bytes % _kv_shape(m.spec, m.dtype).block_bytes == 0:
+            grid = view.view(view.shape[0] * view.shape[1], *view.shape[2:])
+        return view, grid
+
+    def add_prefilled(self, req: GenerateRequest, output_token_ids: list[int], token_times: list[float],
+                      num_computed_tokens: int, fill=None, num_sent_chars: int | None = None) -> bool:
+        """Continue a request another worker started: its output so far, and the KV of its first
+        num_computed_tokens tokens written by `fill(dst_block_ids)` into blocks allocated here.
+
+        True: the KV was adopted and the request decodes on. False (no room, no fill, or fill
+        raised): it is queued to recompute prompt + output in one prefill; nothing is lost.
+        Tokens in output_token_ids are not emitted again; ValueError on bad input."""
+        self.add_request(req)
+        request, assembler = self.requests[req.request_id], self.outputs[req.request_id]
+        if not output_token_ids or not 0 <= num_computed_tokens < request.num_prompt_tokens + len(output_token_ids):
+            self.abort(req.request_id)
+            raise ValueError(f"request {req.request_id!r}: need >= 1 output token and num_computed_tokens below "
+                             f"prompt + output, got {len(output_token_ids)} and {num_computed_tokens}")
+        request.output_token_ids = [int(t) for t in output_token_ids]
+        request.token_times = list(token_times)
+        request.first_token_time = token_times[0] if token_times else self.clock()
+        assembler.num_sent_tokens = len(request.output_token_ids)
+        assembler.detokenizer.step(request.output_token_ids)
+        assembler.num_sent_chars = len(assembler.detokenizer.text) if num_sent_chars is None else num_sent_chars
+        status = request.check_stop(request.output_token_ids[-1])
+        if status is not None:   # it had already ended; nothing to decode
+            self.abort(req.request_id, status)
+            raise ValueError(f"request {req.request_id!r} had already finished ({status.finish_reason})")
+        if fill is None or not num_computed_tokens:
+            return False
+        m = self.models[req.model]
+        ids = self.blocks.allocate(_kv_shape(m.spec, m.dtype), blocks_for_tokens(num_computed_tokens))
+        if ids is None:
+            return False
+        try:
+            fill(ids)
+        except Exception as exc:   # KVTransferError, a dead sender, a layout mismatch: recompute
+            logger.warning("KV import of %s failed (%s); recomputing its prefix", req.request_id, exc)
+            self.blocks.free(_kv_shape(m.spec, m.dtype), ids)
+            return False
+        self.policy.waiting[req.model].remove(request)
+        request.block_ids, request.num_computed_tokens = ids, num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.policy._insert_running(request)
+        return True
+
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _account(self, output: SchedulerOutput, start: float, run_start: float, run_s: float) -> None:
@@ -285,6 +365,22 @@ class Engine:
         m = self.models[self.requests[request_id].model]
         shape = _kv_shape(m.spec, m.dtype)
         return self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
+
+
+def _policy_forget(policy: SchedulingPolicy, request: Request) -> None:
+    """Drop a RUNNING request from the policy's tables without freeing its blocks (KV handoff).
+    (Belongs in SchedulingPolicy as detach_request; kept here until it moves there.)"""
+    policy.running[request.model].remove(request)
+    del policy.requests[request.request_id]
+    policy._order.pop(request.request_id, None)
+
+
+def _policy_adopt(policy: SchedulingPolicy, request: Request) -> None:
+    """Put a RUNNING request with its blocks back into the policy's tables."""
+    policy.requests[request.request_id] = request
+    policy._order[request.request_id] = policy._next_order
+    policy._next_order += 1
+    policy._insert_running(request)
 
 
 def _kv_shape(spec: ModelSpec, dtype: torch.dtype):

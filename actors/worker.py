@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict
 
 from actors.engine import Engine, EngineConfig
+from actors.handoff import HandoffState, relay_handoff
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
 logger = logging.getLogger(__name__)
@@ -104,15 +105,27 @@ class DeviceWorker:
     """One per device. Methods are async; the engine never blocks the actor's event loop."""
 
     def __init__(self, worker_id: str, config: dict | None = None, num_threads: int | None = None,
-                 node_id: str | None = None):
+                 node_id: str | None = None, shared_kv: bool = False):
+        """shared_kv: on a CPU device, keep the KV pool in a node-shared region (/dev/shm), so a
+        same-node KV handoff exports without a copy."""
         import torch
+
+        from actors.handoff import KVHandoff
 
         if num_threads:
             torch.set_num_threads(num_threads)   # each virtual device gets its share of cores
         self.worker_id = worker_id
-        self.node_id = node_id
+        self.node_id = node_id or _current_node_id()
         self.role = "mixed"
-        self.engine = Engine(EngineConfig(**(config or {})))
+        engine_config = EngineConfig(**(config or {}))
+        device_kind = "cuda" if torch.device(engine_config.device).type == "cuda" else "cpu"
+        self.handoff = KVHandoff(worker_id, self.node_id, device_kind)
+        kv_buffer = None
+        if shared_kv and device_kind == "cpu":
+            kv_buffer = self.handoff.shared_kv_region(engine_config.kv_bytes)
+        self.engine = Engine(engine_config, kv_buffer=kv_buffer)
+        self._router = None
+        self._peer_nodes: dict[str, str] = {}
         self.streams: dict[str, _Stream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
@@ -148,6 +161,46 @@ class DeviceWorker:
                 yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
                                          worker_id=self.worker_id))
                 return
+            handoff_tried = False
+            while True:
+                await stream.event.wait()
+                frame = stream.take()
+                frame.worker_id = self.worker_id
+                finished = frame.finished
+                yield asdict(frame)
+                if finished:
+                    return
+                if self.role == "prefill" and not handoff_tried:   # decode elsewhere (actors/handoff.py)
+                    handoff_tried = True
+                    async for relayed in relay_handoff(self, request, stream):
+                        finished = relayed["finish_reason"] is not None
+                        yield relayed
+                        if finished:
+                            return
+        finally:
+            self.streams.pop(request.request_id, None)
+            if not finished:   # the consumer went away: free the request's KV
+                self.engine_loop.call(self.engine.abort, request.request_id)
+
+    async def generate_prefilled(self, state: dict, desc=None):
+        """The decode side of a KV handoff: adopt the request (KV through `desc`, a KVDescriptor),
+        answer one ack {"adopted": bool, "error": str | None}, then stream its OutputFrame dicts."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        handoff_state = HandoffState(**state)
+        request_id = handoff_state.request["request_id"]
+        stream = _Stream()
+        self.streams[request_id] = stream
+        finished = False
+        try:
+            try:
+                adopted = await asyncio.wrap_future(
+                    self.engine_loop.call(self.handoff.adopt, self.engine, handoff_state, desc))
+            except ValueError as exc:   # unknown model, bad state: the sender keeps the request
+                finished = True
+                yield {"adopted": False, "error": str(exc)}
+                return
+            del desc   # drop an object-store ref as soon as the KV is in
+            yield {"adopted": adopted, "error": None}
             while True:
                 await stream.event.wait()
                 frame = stream.take()
@@ -157,9 +210,29 @@ class DeviceWorker:
                 if finished:
                     return
         finally:
-            self.streams.pop(request.request_id, None)
-            if not finished:   # the consumer went away: free the request's KV
-                self.engine_loop.call(self.engine.abort, request.request_id)
+            self.streams.pop(request_id, None)
+            if not finished:
+                self.engine_loop.call(self.engine.abort, request_id)
+
+    async def node(self) -> str:
+        return self.node_id
+
+    def get_router(self):
+        if self._router is None:
+            import ray
+
+            from actors.router import ROUTER_NAME
+
+            self._router = ray.get_actor(ROUTER_NAME)
+        return self._router
+
+    async def set_router(self, router) -> None:
+        self._router = router
+
+    async def peer_node(self, worker_id: str, handle) -> str:
+        if worker_id not in self._peer_nodes:
+            self._peer_nodes[worker_id] = await handle.node.remote()
+        return self._peer_nodes[worker_id]
 
     async def abort(self, request_id: str) -> bool:
         return await asyncio.wrap_future(self.engine_loop.call(self.engine.abort, request_id))
@@ -167,7 +240,9 @@ class DeviceWorker:
     async def stats(self) -> dict:
         stats = await asyncio.wrap_future(self.engine_loop.call(self.engine.stats))
         stats.update(worker_id=self.worker_id, node_id=self.node_id, role=self.role,
-                     device=self.engine.config.device, pid=os.getpid())
+                     device=self.engine.config.device, pid=os.getpid(),
+                     handoff={"handed_off": self.handoff.num_handed_off, "adopted": self.handoff.num_adopted,
+                              "recomputed": self.handoff.num_recomputed})
         return stats
 
     async def timeline(self) -> list[tuple]:
@@ -182,3 +257,12 @@ class DeviceWorker:
             stream = self.streams.get(frame.request_id)
             if stream is not None:
                 stream.push(frame)
+
+
+def _current_node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None

@@ -1,0 +1,196 @@
+"""KV handoff between a prefill and a decode worker: decode output after a handoff equals
+single-worker greedy output (zero-copy shared pool, staged copy, pools whose slabs have a
+tail), a failed import recomputes, a held request can continue locally, and through real
+DeviceWorker actors the caller keeps one stream while a dead decode worker loses nothing."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from scheduler.messages import GenerateRequest
+from scheduler.sampling_params import SamplingParams
+
+MiB = 1 << 20
+MODEL = "llama-tiny-a"    # 2 layers x 4 kv heads x 32 x fp32: a KV block is 32 KiB
+ENGINE = {"budget_bytes": 48 * MiB, "kv_bytes": 8 * MiB, "num_slots": 2, "slab_bytes": 512 * 1024,
+          "host_kv_bytes": 4 * MiB}
+PROMPT = [11, 400, 77, 1234, 9, 18, 600, 5, 42, 300, 17, 88, 1500, 3, 71, 20, 19, 33, 1200, 7]   # 2 blocks
+MAX_TOKENS = 24
+
+
+def _engine(path, kv_buffer=None, **overrides):
+    from actors.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(**{**ENGINE, **overrides}), kv_buffer=kv_buffer)
+    engine.register_model(MODEL, path)
+    return engine
+
+
+def _run(engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for frame in engine.step():
+            tokens.setdefault(frame.request_id, []).extend(frame.token_ids)
+    return tokens
+
+
+def _request(rid="r", max_tokens=MAX_TOKENS):
+    return GenerateRequest(rid, MODEL, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def path(zoo_model):
+    return zoo_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    engine = _engine(path)
+    engine.add_request(_request())
+    return _run(engine)["r"]
+
+
+def _prefill(handoff, engine, steps=1):
+    engine.add_request(_request())
+    first = []
+    for _ in range(steps):
+        first += [t for f in engine.step() for t in f.token_ids]
+    return first, handoff.detach_and_export(engine, "r", handoff.node_id)
+
+
+@pytest.mark.parametrize("shared,overrides", [(True, {}), (False, {}), (False, {"slab_bytes": 500 * 1024})],
+                         ids=["zero-copy", "staged", "slab-tail"])
+def test_decode_after_shm_handoff_equals_single_worker_greedy(path, reference, shared, overrides):
+    from actors.handoff import KVHandoff
+
+    src, dst = KVHandoff("p", "node", "cpu"), KVHandoff("d", "node", "cpu")
+    sender = _engine(path, src.shared_kv_region(ENGINE["kv_bytes"]) if shared else None, **overrides)
+    receiver = _engine(path, **overrides)
+    try:
+        first, (state, desc) = _prefill(src, sender, steps=2)   # a decode step before the handoff, too
+        assert desc.transport == "shm" and (desc.handle["path"].split("-")[-2] == "region") == shared
+        assert dst.adopt(receiver, state, desc) is True
+        src.finish_export(sender, "r", handed_off=True)
+        assert sender.blocks.usage()["num_free_slabs"] == sender.blocks.num_slabs   # KV freed on the sender
+        assert not sender.has_unfinished()
+        assert first + _run(receiver)["r"] == reference
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_failed_import_recomputes_and_loses_nothing(path, reference):
+    from actors.handoff import KVHandoff
+
+    src, dst = KVHandoff("p", "node", "cpu"), KVHandoff("d", "node", "cpu")
+    sender, receiver = _engine(path), _engine(path)
+    try:
+        first, (state, desc) = _prefill(src, sender)
+        os.unlink(desc.handle["path"])   # the staging file is gone before the receiver maps it
+        src.transports["shm"]._free_staging.clear()
+        assert dst.adopt(receiver, state, desc) is False
+        assert dst.num_recomputed == 1
+        src.finish_export(sender, "r", handed_off=True)
+        assert first + _run(receiver)["r"] == reference
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_a_held_request_can_continue_where_it_was(path, reference):
+    from actors.handoff import KVHandoff
+
+    src = KVHandoff("p", "node", "cpu")
+    sender = _engine(path)
+    try:
+        first, (state, desc) = _prefill(src, sender)
+        assert not sender.has_unfinished()   # held: nothing schedules it
+        src.finish_export(sender, "r", handed_off=False)
+        assert first + _run(sender)["r"] == reference
+    finally:
+        src.close()
+
+
+def test_add_prefilled_rejects_bad_state(path):
+    engine = _engine(path)
+    with pytest.raises(ValueError, match="output token"):
+        engine.add_prefilled(_request("a"), [], [], 0)
+    with pytest.raises(ValueError, match="already finished"):
+        engine.add_prefilled(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], len(PROMPT) + 1)
+    with pytest.raises(ValueError, match="unknown model"):
+        engine.add_prefilled(GenerateRequest("c", "nope", PROMPT), [5], [0.0], len(PROMPT))
+    assert not engine.has_unfinished() and not engine.requests
+
+
+# ---- through DeviceWorker actors ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session, path):
+    ray = ray_session
+    from actors.router import GlobalRouter
+    from actors.worker import DeviceWorker
+
+    make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
+    prefill = make.remote("pre", ENGINE, num_threads=1, shared_kv=True)
+    decode = make.remote("dec", ENGINE, num_threads=1, shared_kv=True)
+    router = GlobalRouter.remote(poll_interval_s=0.2)
+    ray.get([h.register_model.remote(MODEL, str(path)) for h in (prefill, decode)])
+    ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode"), prefill.set_router.remote(router)])
+    node = ray.get(prefill.node.remote())
+    ray.get([router.add_worker.remote("pre", prefill, node), router.add_worker.remote("dec", decode, node)])
+    yield ray, router, prefill, decode
+    for h in (prefill, decode, router):
+        ray.kill(h)
+
+
+async def _collect(handle, req):
+    return [await ref async for ref in handle.generate.remote(req.to_dict())]
+
+
+def test_caller_keeps_one_stream_across_the_handoff(pair, reference):
+    ray, router, prefill, decode = pair
+    frames = asyncio.run(_collect(prefill, _request("s1")))
+    assert [t for f in frames for t in f["token_ids"]] == reference
+    assert frames[0]["worker_id"] == "pre" and frames[-1]["worker_id"] == "dec"
+    assert frames[-1]["finish_reason"] == "length"
+    assert ray.get(prefill.stats.remote())["handoff"]["handed_off"] == 1
+    assert ray.get(decode.stats.remote())["handoff"]["adopted"] == 1
+    stats = ray.get(prefill.stats.remote())
+    assert stats["kv_free_frac"] == 1.0 and not stats["running"]
+
+
+def test_dead_decode_worker_loses_nothing(pair, reference):
+    ray, router, prefill, decode = pair
+    ray.kill(decode)   # the router has not noticed yet: the prefill worker finds out on the handoff
+    frames = asyncio.run(_collect(prefill, _request("s2")))
+    assert [t for f in frames for t in f["token_ids"]] == reference
+    assert {f["worker_id"] for f in frames} == {"pre"}
+    assert frames[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.gpu
+def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, path, reference):
+    """Two CUDA workers on one GPU node: CUDA IPC when cupy is there, else the shm staging path."""
+    ray = ray_session
+    from actors.router import GlobalRouter
+    from actors.worker import DeviceWorker
+
+    env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    make = ray.remote(num_gpus=0, num_cpus=0)(DeviceWorker).options(runtime_env=env)
+    config = {**ENGINE, "device": "cuda"}
+    prefill, decode = make.remote("gpre", config, node_id="n"), make.remote("gdec", config, node_id="n")
+    router = GlobalRouter.remote(poll_interval_s=0.2)
+    try:
+        ray.get([h.register_model.remote(MODEL, str(path)) for h in (prefill, decode)])
+        ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode"),
+                 prefill.set_router.remote(router)])
+        ray.get([router.add_worker.remote("gpre", prefill, "n"), router.add_worker.remote("gdec", decode, "n")])
+        frames = asyncio.run(_collect(prefill, _request("g1")))
+        assert frames[-1]["worker_id"] == "gdec"
+        assert [t for f in frames for t in f["token_ids"]] == reference
+    finally:
+        for h in (prefill, decode, router):
+            ray.kill(h)
