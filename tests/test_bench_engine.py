@@ -1,0 +1,77 @@
+"""`tokenmux bench engine` end to end on a tiny zoo model with tiny counts: every section
+runs (swap, cold load in fresh processes, engine vs HF decode, scheduler overhead, and the
+random-weight --shapes path the GPU run uses) and the JSON holds every figure, finite and
+positive. Speed floors are results of the benchmark, never asserted here."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
+        "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--threads", "1"]
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "engine", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_bench_engine_writes_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    shm_before = _bench_shm_files()
+    proc = _bench(*TINY, "--shapes", "test-tiny", "--shape-repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+
+    for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "cold_load_s", "cold_load_warm_s",
+                "cold_load_evicted_s", "swap_vs_cold_reduction", "decode_tps", "hf_generate_tps", "decode_vs_hf",
+                "scheduler_overhead_frac", "scheduler_overhead_frac_model", "scheduler_overhead_frac_model_swapping"):
+        assert _positive(r[key]), (key, r.get(key))
+    assert r["swap_vs_memcpy"] == pytest.approx(r["swap_s"] / r["memcpy_limit_s"])
+    assert r["decode_vs_hf"] == pytest.approx(r["decode_tps"] / r["hf_generate_tps"])
+    assert r["swap_vs_cold_reduction"] == pytest.approx(1 - r["swap_s"] / r["cold_load_s"])
+    assert r["cold_load_kind"] in ("evicted_page_cache", "warm_page_cache")
+    assert r["scheduler_overhead_frac"] < 1
+    # like for like: both sides produced the same greedy tokens for every request (float32)
+    assert r["decode_greedy_match"] == "8/8"
+    assert r["overhead_tiny"]["num_models"] == 8 and r["overhead_tiny"]["num_swaps"] == 0
+    assert r["overhead_model_swapping"]["num_swaps"] > 0
+    m = r["machine"]
+    assert m["cpu_count"] >= 1 and m["torch_threads"] == 1 and m["device"] == "cpu"
+    assert set(r["floors"]) == {"swap_vs_memcpy", "swap_vs_cold_reduction", "decode_vs_hf", "scheduler_overhead_frac"}
+
+    shape = r["shapes"]["test-tiny"]
+    for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "decode_tps", "hf_generate_tps", "decode_vs_hf",
+                "scheduler_overhead_frac"):
+        assert _positive(shape[key]), (key, shape.get(key))
+    for line in ("swap_vs_memcpy", "decode_vs_hf", "scheduler_overhead_frac", "shape test-tiny"):
+        assert line in proc.stdout
+    assert _bench_shm_files() <= shm_before, "the benchmark left host-cache files in /dev/shm"
+
+
+def _bench_shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("tokenmux-bench-*")}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--sections", "swap,warp"], "unknown or empty ['warp']"),
+    (["--shapes", "llama-huge"], "unknown ['llama-huge']"),
+    (["--model", "no-such-model", "--sections", "swap"], "'no-such-model' is neither a zoo model"),
+])
+def test_bench_engine_bad_input_is_one_clear_line(args, message):
+    proc = _bench(*args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
