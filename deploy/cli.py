@@ -115,11 +115,31 @@ def _loadtest(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- bench ----------------------------------------------------------------------------
+
+
+def _bench_parser(parser: argparse.ArgumentParser) -> None:
+    from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
+
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine}", required=True)
+    engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
+                                           "generate, scheduler overhead (prints a table, --json FILE)")
+    add_engine_arguments(engine)
+    engine.set_defaults(run=_bench_engine)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from load_tests.bench.engine_bench import run
+
+    return run(args)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "zoo": ("build or list the offline model zoo", _zoo_parser),
+    "bench": ("benchmarks (engine)", _bench_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
     "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),
 }
