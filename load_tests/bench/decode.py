@@ -108,7 +108,9 @@ def _load_hf(path: Path, device: torch.device, dtype: str | None):
 
     hf_logging.disable_progress_bar()
     tdtype = torch_dtype(dtype) or "auto"
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype).to(device).eval()
+    if device.type == "cuda":   # straight onto the device, not through a host copy of the model
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype, device_map=str(device)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=tdtype).eval()
 
 
 def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:

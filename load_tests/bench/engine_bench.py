@@ -82,11 +82,15 @@ def run(args: argparse.Namespace) -> int:
         "options": {k: v for k, v in vars(args).items() if k not in ("run", "func")},
     })
     r = run.results
-    with bench_host_cache() as cache:
+    # One checkpoint under names "<model>-<i>" throughout: each name maps (and, on a GPU,
+    # pins) the host-cache file once, so reusing names keeps the cold path short.
+    names = [f"{args.model}-{i}" for i in range(max(2, args.overhead_models))]
+    with bench_host_cache(_weight_bytes(path, args.dtype)) as cache:
         if "swap" in sections and run.allowed("swap"):
             from load_tests.bench.swap import measure_swap
 
-            r.update(measure_swap(path, device=device, dtype=args.dtype, repeats=args.swap_repeats, host_cache=cache))
+            r.update(measure_swap(path, device=device, dtype=args.dtype, repeats=args.swap_repeats,
+                                  host_cache=cache, names=(names[0], names[1])))
             run.save()
         if "cold" in sections and run.allowed("cold"):
             from load_tests.bench.cold_load import measure_cold_load
@@ -96,10 +100,10 @@ def run(args: argparse.Namespace) -> int:
                 r["swap_vs_cold_reduction"] = 1 - r["swap_s"] / r["cold_load_s"]
             run.save()
         if "decode" in sections and run.allowed("decode"):
-            r.update(_decode(path, args, device, args.repeats, cache))
+            r.update(_decode(path, args, device, args.repeats, cache, names[0]))
             run.save()
         if "overhead" in sections:
-            _overheads(run, path, args, device, cache, zoo)
+            _overheads(run, path, args, device, cache, zoo, names[:args.overhead_models])
     for shape in shapes:
         r.setdefault("shapes", {})[shape] = _shape(run, shape, args, device, sections)
         run.save()
@@ -120,12 +124,19 @@ def _model_path(model: str, zoo) -> Path:
     raise ValueError(f"--model: {model!r} is neither a zoo model ({', '.join(zoo.ZOO)}) nor a checkpoint directory")
 
 
-def _decode(path: Path, args, device, repeats: int, cache) -> dict:
+def _weight_bytes(path: Path, dtype: str | None) -> int:
+    from actors.weight_layout import WeightLayout
+    from load_tests.bench.common import torch_dtype
+
+    return WeightLayout.from_dir(path, dtype=torch_dtype(dtype)).total_bytes
+
+
+def _decode(path: Path, args, device, repeats: int, cache, name: str) -> dict:
     from load_tests.bench.decode import measure_decode
 
     try:
         return measure_decode(path, device=device, dtype=args.dtype, batch=args.batch, new_tokens=args.new_tokens,
-                              prompt_tokens=args.prompt_tokens, repeats=repeats, host_cache=cache)
+                              prompt_tokens=args.prompt_tokens, repeats=repeats, host_cache=cache, name=name)
     finally:
         _free(device)
 
@@ -141,7 +152,7 @@ def _overhead(paths: dict, args, device, cache, num_slots: int) -> dict:
         _free(device)
 
 
-def _overheads(run: _Run, path: Path, args, device, cache, zoo) -> None:
+def _overheads(run: _Run, path: Path, args, device, cache, zoo, names: list[str]) -> None:
     r, n = run.results, args.overhead_models
     if len(zoo.TINY_MODELS) < n:
         raise ValueError(f"--overhead-models: the zoo has {len(zoo.TINY_MODELS)} tiny models, asked for {n}")
@@ -151,7 +162,7 @@ def _overheads(run: _Run, path: Path, args, device, cache, zoo) -> None:
         r["scheduler_overhead_frac"] = o["scheduler_overhead_frac"]
         r["overhead_tiny"] = o
         run.save()
-    same = {f"{args.model}-{i}": path for i in range(n)}   # one checkpoint under n names
+    same = {name: path for name in names}   # one checkpoint under n names
     if run.allowed("overhead-model-resident"):
         r["overhead_model_resident"] = _overhead(same, args, device, cache, _fitting_slots(path, args, device, n + 1))
         r["scheduler_overhead_frac_model"] = r["overhead_model_resident"]["scheduler_overhead_frac"]
@@ -169,12 +180,8 @@ def _fitting_slots(path: Path, args, device, wanted: int) -> int:
         return wanted
     import torch
 
-    from actors.weight_layout import WeightLayout
-    from load_tests.bench.common import torch_dtype
-
-    slot = WeightLayout.from_dir(path, dtype=torch_dtype(args.dtype)).total_bytes
     free, _ = torch.cuda.mem_get_info(device)
-    return max(3, min(wanted, int(0.8 * free) // slot))
+    return max(3, min(wanted, int(0.8 * free) // _weight_bytes(path, args.dtype)))
 
 
 def _shape(run: _Run, shape: str, args, device, sections: list[str]) -> dict:
@@ -189,21 +196,22 @@ def _shape(run: _Run, shape: str, args, device, sections: list[str]) -> dict:
     start = time.perf_counter()
     path = build_shape(shape, scratch_dir(shape_bytes(shape)), device)
     out["build_s"] = time.perf_counter() - start
-    n = args.overhead_models
+    names = [f"{shape}-{i}" for i in range(max(2, args.shape_overhead_models))]
+    shape_args = argparse.Namespace(**{**vars(args), "dtype": None})   # the checkpoint's bf16
     try:
-        with bench_host_cache() as cache:
+        with bench_host_cache(shape_bytes(shape)) as cache:
             if "swap" in sections and run.allowed(f"shape-{shape}-swap"):
                 out.update(measure_swap(path, device=device, dtype=None, repeats=2 * args.shape_repeats + 1,
-                                        host_cache=cache))
+                                        host_cache=cache, names=(names[0], names[1])))
                 run.save()
             if "decode" in sections and run.allowed(f"shape-{shape}-decode"):
-                shape_args = argparse.Namespace(**{**vars(args), "dtype": None})
-                out.update(_decode(path, shape_args, device, args.shape_repeats, cache))
+                out.update(_decode(path, shape_args, device, args.shape_repeats, cache, names[0]))
                 run.save()
             if "overhead" in sections and run.allowed(f"shape-{shape}-overhead"):
-                same = {f"{shape}-{i}": path for i in range(n)}
-                shape_args = argparse.Namespace(**{**vars(args), "dtype": None})
-                o = _overhead(same, shape_args, device, cache, _fitting_slots(path, shape_args, device, n + 1))
+                # every model resident (one slot each + a prefetch slot) when the device holds them
+                slots = _fitting_slots(path, shape_args, device, args.shape_overhead_models + 1)
+                same = {name: path for name in names[:min(args.shape_overhead_models, slots - 1)]}
+                o = _overhead(same, shape_args, device, cache, slots)
                 out["scheduler_overhead_frac"] = o["scheduler_overhead_frac"]
                 out["overhead"] = o
     finally:

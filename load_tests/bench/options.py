@@ -29,6 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default="",
                         help="also measure random-weight models of real shapes, e.g. llama3-1b,qwen2.5-7b")
     parser.add_argument("--shape-repeats", type=int, default=2, help="repetitions for each --shapes model")
+    parser.add_argument("--shape-overhead-models", type=int, default=4,
+                        help="models (one --shapes checkpoint under several names) in its overhead run")
     parser.add_argument("--max-seconds", type=float,
                         help="start no new section after this many seconds (results so far are kept)")
 
@@ -36,7 +38,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> list[str]:
     """Validate the numbers; returns the selected sections. Bad input -> ValueError."""
     for name in ("repeats", "swap_repeats", "cold_repeats", "batch", "new_tokens", "prompt_tokens",
-                 "overhead_models", "overhead_requests", "overhead_tokens", "shape_repeats"):
+                 "overhead_models", "overhead_requests", "overhead_tokens", "shape_repeats",
+                 "shape_overhead_models"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -18,7 +18,8 @@ from load_tests.bench.common import median, sync, timed, torch_dtype
 logger = logging.getLogger(__name__)
 
 
-def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats: int, host_cache) -> dict:
+def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats: int, host_cache,
+                 names: tuple[str, str] = ("swap-a", "swap-b")) -> dict:
     from actors.device_memory import SLOT_ALIGN, DeviceMemory
     from actors.weight_layout import WeightLayout
     from actors.weight_slots import WeightSlots
@@ -27,7 +28,6 @@ def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats
     nbytes = layout.total_bytes
     memory = DeviceMemory(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN, 0, 1, device)
     slots = WeightSlots(memory, host_cache)
-    names = ("swap-a", "swap-b")
     for name in names:
         slots.add_model(name, layout)   # fills the host cache (cold path, not timed)
     src = host_cache.flat(names[0])     # [nbytes] uint8, pinned on GPU hosts

@@ -4,7 +4,7 @@
 #   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
 #      package, e.g. ray, is reported and skipped, not counted as a failure);
 #   3. the CUDA IPC KV handoff micro-benchmark (tests/gpu/test_cupy_ipc.py --bench);
-#   4. the engine benchmark, once `tokenmux bench engine` exists.
+#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs).
 # Uses the python that already holds torch ($PYTHON, default python3); installs nothing.
 # Results go to $OUT (or /tmp/tokenmux-gpu-check). Exit status: non-zero if a test failed.
 set -uo pipefail
@@ -67,9 +67,22 @@ else
 fi
 
 echo "== engine benchmark"
-if "$PY" -m deploy.cli bench --help >/dev/null 2>&1; then
-    timeout 150 "$PY" -m deploy.cli bench engine --json "$RESULTS/bench-engine.json" || { echo "engine bench failed"; status=1; }
+# llama-100m (bf16) through every section, then random-weight models of real shapes: PCIe
+# swap-in vs raw pinned->device copy, engine vs HF generate, scheduler overhead. ~3 minutes;
+# the JSON is rewritten after each section, so a timeout still leaves the figures so far.
+# Run as a module: the GPU machine may have no `tokenmux` script, ray or fastapi.
+if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
+    timeout 210 "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
+        --repeats 3 --swap-repeats 7 --cold-repeats 1 --shapes llama3-1b,qwen2.5-7b --shape-repeats 2 \
+        --shape-overhead-models 4 --max-seconds 150 --json "$RESULTS/bench-engine.json" 2>&1 \
+        | tee "$RESULTS/bench-engine.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ]; then
+        echo "engine bench: timed out (partial results in bench-engine.json)"
+    elif [ "$rc" -ne 0 ]; then
+        echo "engine bench failed"; status=1
+    fi
 else
-    echo "skipped: no tokenmux bench command here yet"
+    echo "skipped: CUDA, transformers or safetensors missing"
 fi
 exit $status
