@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -40,13 +40,17 @@ def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
 
 
 class ClusterEngineClient:
-    def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3) -> None:
+    def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3,
+                 router_source: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """`router_source()` gives the current router handle after the one held died (the
+        topology's owner was restarted); without it a dead router fails each request."""
         if max_dispatches < 1:
             raise ValueError(f"max_dispatches must be >= 1, got {max_dispatches}")
         infos = model_infos(models) if isinstance(models, Mapping) else list(models)
         if not infos:
             raise ValueError("ClusterEngineClient needs at least one model")
         self.router = router
+        self._router_source = router_source
         self.max_dispatches = max_dispatches
         self._models = {m.name: m for m in infos}
         self._tokenizers = TokenizerCache()
@@ -67,13 +71,23 @@ class ClusterEngineClient:
         if gen is not None:
             ray.cancel(gen)  # non-blocking: the worker's generator gets CancelledError and aborts
 
+    async def _pick(self, model: str, slo: dict) -> tuple[str, Any]:
+        try:
+            return await self.router.pick.remote(model, slo)
+        except _WORKER_GONE:
+            if self._router_source is None:
+                raise
+            logger.warning("the router is gone; asking for the current one")
+            self.router = await self._router_source()
+            return await self.router.pick.remote(model, slo)
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
         slo = asdict(req.slo)
         payload = req.to_dict()
         tried: list[str] = []
         for _ in range(self.max_dispatches):
             try:
-                worker_id, handle = await self.router.pick.remote(req.model, slo)
+                worker_id, handle = await self._pick(req.model, slo)
             except Exception as exc:  # NoWorkerError (a RayTaskError), or the router is gone
                 yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}")
                 return

@@ -1,0 +1,157 @@
+"""The Serve application: `deploy.app:build_app` is the import path of `serve run|deploy`.
+
+    TokenmuxIngress  (N replicas, HTTP + handle)  --- ClusterEngineClient ---> router, workers
+         |  router handle, model table at start
+    TokenmuxCluster  (1 replica)  owns the topology: router, placement, one worker per device
+
+Lifetimes. The topology's actors are *owned* (not detached) by the one TokenmuxCluster
+replica that brings them up: Ray kills an actor whose owner dies, so whatever ends that
+replica — `serve delete`, `serve shutdown`, `tokenmux shutdown`, a crash — takes the
+router, the placement service and every DeviceWorker with it, and the next deploy starts
+from a clean cluster. A graceful end (`__del__`) also stops the node watcher and kills
+them at once. Ingress replicas come and go freely: they only hold handles. The topology's
+named actors live in the namespace of the Serve app's job (replicas inherit it from
+whoever started Serve), so callers reach them through the app (`cluster_status`,
+`TokenmuxCluster.worker_handles`), not by name; a stale topology left in that namespace
+by anything else (e.g. a detached bring-up) is replaced, since one Serve app owns the
+tokenmux cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deploy.app_args import AppArgs, parse_app_args, resolve_model_sources
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "tokenmux"
+CLUSTER_DEPLOYMENT = "TokenmuxCluster"
+
+
+def _kill_stale_topology() -> None:
+    import ray
+
+    from cluster.topology import connect_existing
+
+    try:
+        stale = connect_existing()
+    except ValueError:
+        return
+    logger.warning("replacing a tokenmux topology left in this namespace (%d workers)", len(stale.workers))
+    for handle in [*stale.workers.values(), stale.placement, stale.router]:
+        try:
+            ray.kill(handle)
+        except Exception:  # already gone
+            pass
+
+
+def topology_config(args: AppArgs, models: dict[str, str]):
+    from cluster.topology import TopologyConfig
+    from scheduler.slo import SLO
+
+    return TopologyConfig(models=models, engine=args.engine_config(), devices_per_node=args.devices_per_node,
+                          threads_per_worker=args.threads_per_worker, slo=SLO(args.slo.ttft_s, args.slo.tbt_s))
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64,
+                  graceful_shutdown_timeout_s=30, health_check_period_s=10)
+class TokenmuxCluster:
+    """Owns the topology (one replica per app); answers the ingress and `tokenmux status`."""
+
+    async def __init__(self, args: dict) -> None:
+        from cluster.topology import bring_up
+
+        self.args = parse_app_args(args)
+        self._topology = None
+        self._models = await asyncio.to_thread(resolve_model_sources, self.args.models)
+        config = topology_config(self.args, self._models)
+        await asyncio.to_thread(_kill_stale_topology)
+        self._topology = await asyncio.to_thread(bring_up, config)
+        logger.info("tokenmux cluster up: %d workers, models %s", len(self._topology.workers), sorted(self._models))
+
+    def router(self) -> Any:
+        return self._topology.router
+
+    def models(self) -> dict[str, str]:
+        return dict(self._models)
+
+    def worker_handles(self) -> dict[str, Any]:
+        return dict(self._topology.workers)
+
+    def namespace(self) -> str:
+        """Where the topology's named actors are (for cleanup after the app is gone)."""
+        import ray
+
+        return ray.get_runtime_context().namespace
+
+    async def status(self) -> dict:
+        status = await asyncio.to_thread(self._topology.status)
+        status["models"] = dict(self._models)
+        status["policy"] = self.args.policy
+        return status
+
+    def __del__(self) -> None:
+        topology, self._topology = getattr(self, "_topology", None), None
+        if topology is not None:
+            logger.info("tokenmux cluster: shutting the topology down")
+            topology.shutdown()
+
+
+@serve.deployment(graceful_shutdown_timeout_s=10)
+@serve.ingress()
+class TokenmuxIngress:
+    """OpenAI-compatible HTTP, plus `generate_frames` / `list_models` for Serve handles."""
+
+    async def __init__(self, args: dict, cluster: Any) -> None:
+        from deploy.cluster_client import ClusterEngineClient, model_infos
+        from deploy.ingress import build_ingress_app
+        from deploy.ingress_config import IngressConfig
+        from scheduler.slo import SLO
+
+        self.args = parse_app_args(args)
+        self.cluster = cluster
+        models = await cluster.models.remote()
+        router = await cluster.router.remote()
+        self.engine = ClusterEngineClient(router, await asyncio.to_thread(model_infos, models),
+                                          router_source=self._fresh_router)
+        self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
+                                    default_max_tokens=self.args.default_max_tokens,
+                                    default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s))
+        self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
+        self.core = self._openai_app.state.ingress
+
+    async def _fresh_router(self) -> Any:
+        return await self.cluster.router.remote()
+
+    def __serve_build_asgi_app__(self):
+        return self._openai_app
+
+    async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
+        async for chunk in self.core.generate_frames(request):
+            yield chunk
+
+    def list_models(self) -> dict:
+        return self.core.list_models()
+
+    async def cluster_status(self) -> dict:
+        return await self.cluster.status.remote()
+
+
+def build_app(args: "dict | AppArgs") -> serve.Application:
+    """The Serve application for `args` (see deploy/app_args.py); nothing starts until deployed."""
+    parsed = parse_app_args(args)
+    plain = parsed.model_dump(mode="json")
+    cluster = TokenmuxCluster.bind(plain)
+    ingress = TokenmuxIngress.options(
+        num_replicas=parsed.num_ingress_replicas,
+        max_ongoing_requests=parsed.max_ongoing_requests,
+        ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
+    )
+    return ingress.bind(plain, cluster)
+
+
+__all__ = ["APP_NAME", "CLUSTER_DEPLOYMENT", "TokenmuxCluster", "TokenmuxIngress", "build_app", "topology_config"]

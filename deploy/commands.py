@@ -1,0 +1,342 @@
+"""`tokenmux serve | status | shutdown`, and `run_local`, the in-process way to serve.
+
+    with run_local(["llama-tiny-a", "qwen2-tiny-b"], port=8000) as url:
+        ...   # OpenAI-compatible HTTP at url; TokenmuxClient(url) or the openai SDK
+
+`serve` joins the Ray cluster at --address / $RAY_ADDRESS, or starts a local one with
+virtual devices; deploys `deploy.app:build_app` with Serve; prints the URL; and stays
+until Ctrl-C (then deletes the app), or returns at once with --detach. `status` and
+`shutdown` join the cluster the same way (a detached `serve` leaves a local Ray only for
+as long as its process lives, so use them with `ray start --head` + `serve --address auto`).
+`shutdown` deletes the Serve app (its topology dies with it, see deploy/app.py) and kills
+any tokenmux actor left in Serve's namespace. Nothing here runs `ray stop`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from deploy.app_args import ZOO_PREFIX, AppArgs, parse_app_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8000
+DEFAULT_HOST = "127.0.0.1"
+POLL_S = 0.5
+
+
+# ---- building blocks ------------------------------------------------------------------
+
+
+def parse_models(models: "str | list[str] | dict[str, str]") -> dict[str, str]:
+    """`a,b` / [a, b] / {name: source} -> {name: source}.
+
+    An item is `name=source`, an existing checkpoint dir (named after its folder), or a
+    zoo model name (`llama-tiny-a`, or `zoo:llama-tiny-a`).
+    """
+    if isinstance(models, dict):
+        return dict(models)
+    items = [m.strip() for m in models.split(",")] if isinstance(models, str) else [str(m).strip() for m in models]
+    items = [m for m in items if m]
+    if not items:
+        raise ValueError("--models is empty; give comma-separated zoo names, name=path pairs or checkpoint dirs")
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" in item:
+            name, source = (s.strip() for s in item.split("=", 1))
+        elif item.startswith(ZOO_PREFIX):
+            name, source = item[len(ZOO_PREFIX):], item
+        elif Path(item).expanduser().is_dir():
+            name, source = Path(item).expanduser().resolve().name, str(Path(item).expanduser().resolve())
+        else:
+            name, source = item, ZOO_PREFIX + item
+        if name in out:
+            raise ValueError(f"model {name!r} is given twice in --models")
+        out[name] = source
+    return out
+
+
+def load_config_args(path: str, app_name: str | None = None) -> dict:
+    """The `args` of the tokenmux application in a `serve deploy` config file."""
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text())
+    apps = (config or {}).get("applications") or []
+    apps = [a for a in apps if a.get("import_path") == "deploy.app:build_app"
+            and (app_name is None or a.get("name") == app_name)]
+    if not apps:
+        raise ValueError(f"{path}: no application with import_path deploy.app:build_app")
+    return dict(apps[0].get("args") or {})
+
+
+def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
+    """Build the zoo models the args name (once; later calls find them built)."""
+    from actors import zoo
+
+    names = [s[len(ZOO_PREFIX):] for s in args.models.values() if s.startswith(ZOO_PREFIX)]
+    missing = [n for n in names if not zoo.is_built(n)]
+    if not missing:
+        return
+    from tqdm import tqdm
+
+    for name in tqdm(missing, desc="building zoo models", unit="model", file=sys.stderr, disable=not show_progress):
+        zoo.ensure_model(name)
+
+
+def http_url() -> str:
+    """Base URL of the Serve HTTP proxy of the connected cluster."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    host = DEFAULT_HOST if config.host in (None, "", "0.0.0.0", "::") else config.host
+    return f"http://{host}:{config.port}"
+
+
+def deploy(args: AppArgs, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, app_name: str = "tokenmux",
+           show_progress: bool = True) -> str:
+    """Start Serve (if needed), deploy the app, wait until it serves; returns its URL."""
+    from ray import serve
+
+    from deploy.app import build_app
+
+    build_zoo_models(args, show_progress)
+    serve.start(http_options={"host": host, "port": port})
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(build_app(args), name=app_name, route_prefix="/")
+        except BaseException as exc:  # reported by the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tokenmux-deploy", daemon=True)
+    thread.start()
+    _show_registration(thread, args, show_progress)
+    thread.join()
+    if failure:
+        raise RuntimeError(f"deploying tokenmux failed: {failure[0]}") from failure[0]
+    return http_url()
+
+
+def _show_registration(thread: threading.Thread, args: AppArgs, show_progress: bool) -> None:
+    """A bar of models servable on some worker, while the deploy thread waits for RUNNING."""
+    import ray
+    from tqdm import tqdm
+
+    from actors.router import ROUTER_NAME
+
+    with tqdm(total=len(args.models), desc="registering models", unit="model", file=sys.stderr,
+              disable=not show_progress) as bar:
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if not show_progress:
+                continue
+            try:
+                (namespace,) = _namespaces_of(ROUTER_NAME)
+                router = ray.get_actor(ROUTER_NAME, namespace=namespace)
+                servable = ray.get(router.status.remote(), timeout=5)["servable"]
+            except Exception:  # not up yet (or several tokenmux clusters: no bar then)
+                continue
+            bar.n = len(set(servable) & set(args.models))
+            bar.refresh()
+        bar.n = bar.total
+        bar.refresh()
+
+
+def _namespaces_of(name: str) -> list[str]:
+    import ray
+
+    return [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
+
+
+def cluster_handle(app_name: str = "tokenmux"):
+    """Serve handle of the app's TokenmuxCluster deployment (the topology's owner)."""
+    from ray import serve
+
+    from deploy.app import CLUSTER_DEPLOYMENT
+
+    return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
+
+
+def undeploy(app_name: str = "tokenmux") -> list[str]:
+    """Delete the app (its topology dies with its owner replica), then kill any tokenmux
+    router/placement (and their workers) left in the app's namespace, or in any namespace
+    if the app is gone already; returns what was removed."""
+    import ray
+    from ray import serve
+
+    from actors.placement_service import PLACEMENT_NAME
+    from actors.router import ROUTER_NAME
+
+    removed = []
+    namespaces = None
+    if app_name in serve.status().applications:
+        with contextlib.suppress(Exception):
+            namespaces = [cluster_handle(app_name).namespace.remote().result(timeout_s=10)]
+        serve.delete(app_name)
+        removed.append(f"serve app {app_name}")
+    for name in (ROUTER_NAME, PLACEMENT_NAME):
+        for namespace in (namespaces if namespaces is not None else _namespaces_of(name)):
+            try:
+                actor = ray.get_actor(name, namespace=namespace)
+            except ValueError:  # died with the app
+                continue
+            if name == ROUTER_NAME:
+                with contextlib.suppress(Exception):
+                    for handle in ray.get(actor.worker_handles.remote(), timeout=10).values():
+                        ray.kill(handle)
+            ray.kill(actor)
+            removed.append(f"actor {name} (namespace {namespace})")
+    return removed
+
+
+@contextlib.contextmanager
+def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT_PORT, host: str = DEFAULT_HOST,
+              num_devices: int = 2, address: str | None = None, app_name: str = "tokenmux",
+              show_progress: bool = False, **app_args: Any) -> Iterator[str]:
+    """Ray (joined or started with `num_devices` virtual devices) + topology + Serve app;
+    yields the base URL and tears it all down (stops Ray only if it started it)."""
+    import ray
+    from ray import serve
+
+    from cluster.ray_runtime import connect_or_start
+
+    args = parse_app_args({"models": parse_models(models), **app_args})
+    runtime = connect_or_start(address, num_virtual_gpus=num_devices)
+    try:
+        url = deploy(args, host, port, app_name, show_progress)
+        try:
+            yield url
+        finally:
+            undeploy(app_name)
+    finally:
+        if runtime.started_locally:
+            serve.shutdown()
+            ray.shutdown()
+
+
+# ---- the subcommands ------------------------------------------------------------------
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="a serve config file (deploy/serve_config.yaml); its app's args are used")
+    source.add_argument("--models", help="comma-separated zoo names, name=checkpoint_dir pairs, or checkpoint dirs")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"HTTP host (default {DEFAULT_HOST})")
+    parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
+    parser.add_argument("--devices", type=int, default=2, help="virtual devices of a local Ray on a CPU host")
+    parser.add_argument("--policy", choices=("token", "request", "dedicated"), help="scheduling policy")
+    parser.add_argument("--detach", action="store_true", help="return once deployed (the app keeps running "
+                        "in a cluster started with `ray start --head`)")
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    from cluster.ray_runtime import connect_or_start
+
+    raw = load_config_args(ns.config) if ns.config else {"models": parse_models(ns.models)}
+    if ns.policy:
+        raw["policy"] = ns.policy
+    args = parse_app_args(raw)
+    runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices)
+    if ns.detach and runtime.started_locally:
+        raise ValueError("--detach needs a running cluster to leave the app in (`ray start --head`, "
+                         "then --address auto); this process started its own Ray, which ends with it")
+    url = deploy(args, ns.host, ns.port)
+    print(f"tokenmux serving {', '.join(args.models)} at {url}  (OpenAI API: {url}/v1)", flush=True)
+    if ns.detach:
+        return 0
+    print("Ctrl-C to stop", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr)
+    finally:
+        undeploy()
+        if runtime.started_locally:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+    return 0
+
+
+def configure_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else auto)")
+    parser.add_argument("--app", default="tokenmux", help="Serve application name (default tokenmux)")
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.set_defaults(run=run_status)
+
+
+def _join(address: str | None) -> None:
+    import os
+
+    from cluster.ray_runtime import connect_or_start
+
+    connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto")
+
+
+def cluster_status(app_name: str = "tokenmux") -> dict:
+    """The topology's status (workers, plan, router) from the app that owns it."""
+    from ray import serve
+
+    if app_name not in serve.status().applications:
+        raise ValueError(f"no Serve application {app_name!r} is running; start one with `tokenmux serve`")
+    return cluster_handle(app_name).status.remote().result(timeout_s=60)
+
+
+def format_status(status: dict) -> str:
+    """A readable table: one row per worker, then the placement plan."""
+    lines = [f"{'WORKER':<18} {'ROLE':<7} {'KV FREE':>7}  {'RESIDENT':<28} {'REGISTERED':<36} QUEUED/RUNNING"]
+    for wid, w in sorted(status.get("workers", {}).items()):
+        if not w.get("alive", True):
+            lines.append(f"{wid:<18} DEAD    {w.get('error', '')}")
+            continue
+        queued = ",".join(f"{m}:{n}" for m, n in sorted((w.get("queue_depth") or {}).items())) or "-"
+        running = ",".join(f"{m}:{n}" for m, n in sorted((w.get("running") or {}).items())) or "-"
+        kv = w.get("kv_free_frac")
+        lines.append(f"{wid:<18} {w.get('role') or '-':<7} {f'{kv:.0%}' if kv is not None else '-':>7}  "
+                     f"{','.join(w.get('resident') or []) or '-':<28} {','.join(w.get('registered') or []) or '-':<36} "
+                     f"{queued} / {running}")
+    plan = status.get("plan") or {}
+    router = status.get("router") or {}
+    lines.append("")
+    lines.append(f"placement plan v{plan.get('version', '-')}:")
+    for model, workers in sorted((plan.get("assignments") or {}).items()):
+        lines.append(f"  {model:<24} -> {', '.join(workers) or '-'}")
+    for model, why in sorted((plan.get("unplaceable") or {}).items()):
+        lines.append(f"  {model:<24} unplaceable: {why}")
+    lines.append(f"servable: {', '.join(router.get('servable') or []) or '-'}")
+    lines.append(f"in flight: {router.get('pending') or '-'}")
+    return "\n".join(lines)
+
+
+def run_status(ns: argparse.Namespace) -> int:
+    import json
+
+    _join(ns.address)
+    status = cluster_status(ns.app)
+    print(json.dumps(status, indent=2, default=str) if ns.json else format_status(status))
+    return 0
+
+
+def configure_shutdown(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else auto)")
+    parser.add_argument("--app", default="tokenmux", help="Serve application name (default tokenmux)")
+    parser.set_defaults(run=run_shutdown)
+
+
+def run_shutdown(ns: argparse.Namespace) -> int:
+    _join(ns.address)
+    removed = undeploy(ns.app)
+    print("removed: " + (", ".join(removed) if removed else "nothing (no tokenmux app or actors found)"))
+    return 0

@@ -1,0 +1,176 @@
+"""The real Serve app (deploy.app:build_app) on the session Ray: 2 tiny zoo models, 2 virtual
+devices. HTTP (httpx), the official openai SDK, the tokenmux client over HTTP and over a
+Serve handle, errors, client disconnect, `tokenmux status`, and shutdown leaving nothing.
+
+One app for the whole module (Serve start-up is slow here); the last test shuts it down.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+APP = "tokenmux"
+MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b"}
+MiB = 1 << 20
+ARGS = {"models": MODELS, "devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB,
+        "kv_fraction": 0.25, "host_kv_gb": 0.01, "num_slots": 2, "max_tokens_cap": 512}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(ray_session):
+    from ray import serve
+
+    from deploy.app_args import parse_app_args
+    from deploy.commands import deploy
+
+    base = deploy(parse_app_args(ARGS), port=_free_port(), app_name=APP, show_progress=False)
+    yield base
+    if APP in serve.status().applications:
+        serve.delete(APP)
+
+
+def _workers():
+    from deploy.commands import cluster_handle
+
+    return cluster_handle(APP).worker_handles.remote().result(timeout_s=30)
+
+
+def _body(model="llama-a", **kw):
+    return {"model": model, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+def test_models_and_a_completion_over_http(url):
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()
+    assert sorted(m["id"] for m in models["data"]) == sorted(MODELS)
+    resp = httpx.post(f"{url}/v1/completions", json=_body(), timeout=60)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
+    assert out["choices"][0]["text"]
+    assert httpx.get(f"{url}/health", timeout=10).json()["num_models"] == 2
+
+
+def test_streamed_chat_over_http(url):
+    body = {"model": "qwen-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]
+    text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
+    assert text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_sdk_against_the_real_cluster(url):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert sorted(m.id for m in client.models.list()) == sorted(MODELS)
+    done = client.completions.create(model="qwen-b", prompt="Once upon", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 4 and done.choices[0].text
+    stream = client.chat.completions.create(model="llama-a", messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=4, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_tokenmux_client_over_http_and_over_a_serve_handle(url):
+    from deploy.client import TokenmuxClient
+
+    with TokenmuxClient(url) as over_http:
+        a = over_http.complete("llama-a", "Hello there", max_tokens=5, temperature=0, ignore_eos=True)
+    with TokenmuxClient.from_serve_app(APP) as in_cluster:
+        assert sorted(in_cluster.models()) == sorted(MODELS)
+        b = in_cluster.complete("llama-a", "Hello there", max_tokens=5, temperature=0, ignore_eos=True)
+        chunks = list(in_cluster.stream_chat("qwen-b", [{"role": "user", "content": "hi"}], max_tokens=3,
+                                             temperature=0, ignore_eos=True))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5   # greedy: same tokens either way
+    assert b.usage.completion_tokens == 5 and len(b.token_times) == 5
+    assert sum(len(c.token_ids) for c in chunks) == 3 and chunks[-1].usage.completion_tokens == 3
+
+
+def test_unknown_model_is_a_404_listing_the_models(url):
+    resp = httpx.post(f"{url}/v1/completions", json=_body(model="nope"), timeout=30)
+    assert resp.status_code == 404
+    message = resp.json()["error"]["message"]
+    assert "nope" in message and all(m in message for m in MODELS)
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv(url):
+    import ray
+
+    workers = _workers()
+    body = _body(max_tokens=500, stream=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:") and json.loads(line[5:])["choices"]:
+                break
+        busy = ray.get([w.stats.remote() for w in workers.values()])
+    assert any(s["running"] for s in busy) and min(s["kv_free_frac"] for s in busy) < 1.0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = ray.get([w.stats.remote() for w in workers.values()])
+        if all(not s["running"] and not s["queue_depth"] and s["kv_free_frac"] == 1.0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert all(not s["running"] and not s["queue_depth"] for s in stats), stats
+    assert all(s["kv_free_frac"] == 1.0 for s in stats)
+    # and the cluster still serves
+    assert httpx.post(f"{url}/v1/completions", json=_body(max_tokens=2), timeout=60).status_code == 200
+
+
+def test_status_table_shows_workers_and_models(url):
+    from deploy.commands import cluster_status, format_status
+
+    status = cluster_status()
+    assert len(status["workers"]) == 2 and all(w["alive"] for w in status["workers"].values())
+    registered = set().union(*(w["registered"] for w in status["workers"].values()))
+    assert registered == set(MODELS)
+    table = format_status(status)
+    assert all(wid in table for wid in status["workers"]) and all(m in table for m in MODELS)
+
+
+def test_zz_shutdown_leaves_no_tokenmux_actor(url):
+    import ray
+    from ray import serve
+
+    from actors.router import ROUTER_NAME
+    from deploy.commands import cluster_handle, undeploy
+
+    workers = list(_workers().values())
+    namespace = cluster_handle(APP).namespace.remote().result(timeout_s=30)
+    assert ray.get_actor(ROUTER_NAME, namespace=namespace)
+    removed = undeploy(APP)
+    assert f"serve app {APP}" in removed
+    assert APP not in serve.status().applications
+    with pytest.raises(ValueError):
+        ray.get_actor(ROUTER_NAME, namespace=namespace)
+    deadline = time.monotonic() + 20
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [w for w in alive if _answers(ray, w)]
+        time.sleep(0.2)
+    assert not alive, "DeviceWorkers outlived the app"
+
+
+def _answers(ray, handle) -> bool:
+    try:
+        ray.get(handle.stats.remote(), timeout=2)
+        return True
+    except Exception:
+        return False
