@@ -134,11 +134,36 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- serve / status / shutdown (deploy/commands.py) ------------------------------------
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.commands import configure_serve
+
+    configure_serve(parser)
+
+
+def _status_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.commands import configure_status
+
+    configure_status(parser)
+
+
+def _shutdown_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.commands import configure_shutdown
+
+    configure_shutdown(parser)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "zoo": ("build or list the offline model zoo", _zoo_parser),
+    "serve": ("deploy the OpenAI-compatible app (local Ray with virtual devices if none) and print its URL",
+              _serve_parser),
+    "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
+    "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
     "bench": ("benchmarks (engine)", _bench_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
     "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from deploy.app_args import ZOO_PREFIX, AppArgs, parse_app_args
+from deploy.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,12 @@ POLL_S = 0.5
 
 
 # ---- building blocks ------------------------------------------------------------------
+
+
+def _parse_args(raw: dict) -> "AppArgs":
+    from deploy.app_args import parse_app_args
+
+    return parse_app_args(raw)
 
 
 def parse_models(models: "str | list[str] | dict[str, str]") -> dict[str, str]:
@@ -207,7 +213,7 @@ def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT
 
     from cluster.ray_runtime import connect_or_start
 
-    args = parse_app_args({"models": parse_models(models), **app_args})
+    args = _parse_args({"models": parse_models(models), **app_args})
     runtime = connect_or_start(address, num_virtual_gpus=num_devices)
     try:
         url = deploy(args, host, port, app_name, show_progress)
@@ -244,7 +250,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     raw = load_config_args(ns.config) if ns.config else {"models": parse_models(ns.models)}
     if ns.policy:
         raw["policy"] = ns.policy
-    args = parse_app_args(raw)
+    args = _parse_args(raw)
     runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices)
     if ns.detach and runtime.started_locally:
         raise ValueError("--detach needs a running cluster to leave the app in (`ray start --head`, "
