@@ -214,6 +214,11 @@ class DeviceWorker:
             if not finished:
                 self.engine_loop.call(self.engine.abort, request_id)
 
+    async def close(self) -> None:
+        """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
+        self.engine_loop.stop()
+        self.handoff.close()
+
     async def node(self) -> str:
         return self.node_id
 

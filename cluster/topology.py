@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class TopologyConfig:
     routing: dict = field(default_factory=dict)    # RoutingConfig kwargs
     placement_interval_s: float = 2.0
     watch_interval_s: float | None = 1.0   # node watcher period; None: no watcher
-    shared_kv: bool = False                # CPU workers keep KV in /dev/shm (zero-copy handoff)
+    shared_kv: bool = True                 # CPU workers keep KV in /dev/shm (zero-copy handoff)
     detached: bool = False                 # actors outlive the driver that brought them up
 
     def __post_init__(self) -> None:
@@ -128,6 +129,8 @@ class Topology:
             dead = [w for w in self.workers if w not in routed]
             for wid in dead:
                 self._forget(wid)
+            if dead:
+                sweep_stale_kv_files()
             return dead
 
     def start_watcher(self, interval_s: float = 1.0) -> None:
@@ -171,10 +174,13 @@ class Topology:
         if self.config is None:   # connect_existing: nothing here is ours
             return
         with self._lock:
+            closing = [h.close.remote() for h in self.workers.values()]
+            ray.wait(closing, num_returns=len(closing), timeout=10)   # unlink shared KV files first
             for handle in self.workers.values():
                 _kill(ray, handle)
             self.workers.clear()
             self.worker_nodes.clear()
+            sweep_stale_kv_files()
             if self._owned:
                 _kill(ray, self.placement)
                 _kill(ray, self.router)
@@ -252,6 +258,11 @@ def bring_up(config: TopologyConfig) -> Topology:
             raise RuntimeError("no node of the cluster offers a GPU resource; start Ray with num_gpus "
                                "(virtual devices on CPU hosts, see cluster/ray_runtime.py)")
         plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
+        for _ in range(5):   # a replan racing the router's stats may re-register a model and fail
+            if not any("registration failed" in why for why in plan.get("unplaceable", {}).values()):
+                break
+            time.sleep(1.0)
+            plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
         if plan.get("unplaceable"):
             logger.warning("topology: models that fit no worker: %s", plan["unplaceable"])
     except BaseException:
@@ -293,6 +304,26 @@ def _spawn(spec: dict, config: TopologyConfig):
     return ray.remote(DeviceWorker).options(**options).remote(
         spec["worker_id"], spec["engine"], num_threads=spec["num_threads"], node_id=spec["node_id"],
         **({"shared_kv": True} if spec["shared_kv"] else {}))
+
+
+def sweep_stale_kv_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink shared KV files of processes of this host that are gone (a killed worker leaves its
+    region behind: kill skips cleanup). Files are named tokenmux-kv-<pid>-...; returns the removed."""
+    import os
+
+    removed = []
+    for entry in Path(shm_dir).glob("tokenmux-kv-*"):
+        pid = entry.name.split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+        except PermissionError:   # alive, someone else's
+            pass
+    return removed
 
 
 def _named_exists(ray, name: str) -> bool:

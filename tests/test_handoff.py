@@ -142,8 +142,12 @@ def pair(ray_session, path):
     node = ray.get(prefill.node.remote())
     ray.get([router.add_worker.remote("pre", prefill, node), router.add_worker.remote("dec", decode, node)])
     yield ray, router, prefill, decode
+    ray.wait([h.close.remote() for h in (prefill, decode)], num_returns=2, timeout=10)
     for h in (prefill, decode, router):
         ray.kill(h)
+    from cluster.topology import sweep_stale_kv_files
+
+    sweep_stale_kv_files()   # the decode worker killed below leaves its region behind
 
 
 async def _collect(handle, req):
