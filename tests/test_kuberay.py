@@ -1,0 +1,47 @@
+"""The KubeRay RayService parses, asks for GPUs, and embeds deploy/serve_config_gpu.yaml's app."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def _rayservice() -> dict:
+    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+
+
+def test_rayservice_embeds_the_gpu_serve_config_application():
+    service = _rayservice()
+    assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
+    embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
+    gpu = yaml.safe_load((DEPLOY / "serve_config_gpu.yaml").read_text())
+    assert embedded["applications"] == gpu["applications"]   # same import_path, args, runtime_env
+    assert embedded["http_options"] == gpu["http_options"]
+    app = embedded["applications"][0]
+    assert app["import_path"] == "deploy.app:build_app"
+
+
+def test_the_embedded_args_are_valid_app_args():
+    from deploy.app_args import parse_app_args
+
+    for config in (yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]),
+                   yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())):
+        args = parse_app_args(config["applications"][0]["args"])
+        assert args.models and args.max_ongoing_requests > 5   # Serve's default 5 would throttle
+
+
+def test_rayservice_has_a_head_and_a_gpu_worker_group_mounting_the_models():
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"].startswith("2.")
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"   # no DeviceWorker on the head
+    (group,) = cluster["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
+    args = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])["applications"][0]["args"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert all(any(path.startswith(m + "/") for m in mounts) for path in args["models"].values())
+    assert "/dev/shm" in mounts
