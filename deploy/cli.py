@@ -121,15 +121,27 @@ def _loadtest(args: argparse.Namespace) -> int:
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{engine}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster}", required=True)
     engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
     engine.set_defaults(run=_bench_engine)
+    cluster = sub.add_parser("cluster", help="router overhead and KV handoff vs memcpy (starts its own "
+                                             "2-raylet cluster; prints a table, --json FILE)")
+    cluster.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    cluster.add_argument("--iters", type=int, default=40, help="measured iterations per figure (default 40)")
+    cluster.add_argument("--threads", type=int, default=1, help="torch threads per actor (default 1)")
+    cluster.set_defaults(run=_bench_cluster)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from load_tests.bench.engine_bench import run
+
+    return run(args)
+
+
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from load_tests.bench.cluster_bench import run
 
     return run(args)
 
