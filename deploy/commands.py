@@ -170,10 +170,10 @@ def cluster_handle(app_name: str = "tokenmux"):
     return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
 
 
-def undeploy(app_name: str = "tokenmux") -> list[str]:
+def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
     """Delete the app (its topology dies with its owner replica), then kill any tokenmux
-    router/placement (and their workers) left in the app's namespace, or in any namespace
-    if the app is gone already; returns what was removed."""
+    router/placement (and their workers) left in the app's namespace — or, when the app is
+    gone already and `everywhere`, in any namespace; returns what was removed."""
     import ray
     from ray import serve
 
@@ -188,7 +188,11 @@ def undeploy(app_name: str = "tokenmux") -> list[str]:
         serve.delete(app_name)
         removed.append(f"serve app {app_name}")
     for name in (ROUTER_NAME, PLACEMENT_NAME):
-        for namespace in (namespaces if namespaces is not None else _namespaces_of(name)):
+        if namespaces is None:
+            namespaces_of_name = _namespaces_of(name) if everywhere else []
+        else:
+            namespaces_of_name = namespaces
+        for namespace in namespaces_of_name:
             try:
                 actor = ray.get_actor(name, namespace=namespace)
             except ValueError:  # died with the app
@@ -343,6 +347,6 @@ def configure_shutdown(parser: argparse.ArgumentParser) -> None:
 
 def run_shutdown(ns: argparse.Namespace) -> int:
     _join(ns.address)
-    removed = undeploy(ns.app)
+    removed = undeploy(ns.app, everywhere=True)
     print("removed: " + (", ".join(removed) if removed else "nothing (no tokenmux app or actors found)"))
     return 0

@@ -30,13 +30,12 @@ def _free_port() -> int:
 def url(ray_session):
     from ray import serve
 
-    from deploy.app_args import parse_app_args
-    from deploy.commands import deploy
+    from deploy.commands import run_local
 
-    base = deploy(parse_app_args(ARGS), port=_free_port(), app_name=APP, show_progress=False)
-    yield base
-    if APP in serve.status().applications:
-        serve.delete(APP)
+    rest = {k: v for k, v in ARGS.items() if k != "models"}
+    with run_local(MODELS, port=_free_port(), app_name=APP, **rest) as base:   # joins the session Ray
+        yield base
+    assert APP not in serve.status().applications
 
 
 def _workers():
@@ -174,3 +173,45 @@ def _answers(ray, handle) -> bool:
         return True
     except Exception:
         return False
+
+
+# ---- app args and the CLI's model list (no cluster needed) ----------------------------
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"models": {}}, "models"),
+    ({"models": {"a": "zoo:no-such-model"}}, "no-such-model"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "budget_gb": 1, "budget_bytes": 1 << 30}, "budget_bytes or budget_gb"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "kv_fraction": 1.5}, "kv_fraction"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "policy": "fifo"}, "policy"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "num_replicas": 2}, "num_replicas"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "slo": {"ttft_s": 0}}, "ttft_s"),
+])
+def test_bad_app_args_name_the_field(bad, field):
+    from deploy.app_args import parse_app_args
+
+    with pytest.raises(ValueError, match=field):
+        parse_app_args(bad)
+
+
+def test_engine_config_from_args_is_a_valid_engine_config():
+    from actors.engine import EngineConfig
+    from deploy.app_args import parse_app_args
+
+    args = parse_app_args({"models": {"a": "/ckpt/a"}, "budget_gb": 40, "kv_fraction": 0.3, "dtype": "bfloat16"})
+    config = EngineConfig(**args.engine_config())
+    assert config.budget_bytes == 40 << 30 and config.dtype == "bfloat16"
+    assert 0.29 * config.budget_bytes <= config.kv_bytes <= 0.3 * config.budget_bytes
+
+
+def test_cli_models_list(tmp_path):
+    from deploy.commands import parse_models
+
+    ckpt = tmp_path / "my-model"
+    ckpt.mkdir()
+    assert parse_models(f"llama-tiny-a, x=/ckpt/x,{ckpt}") == {
+        "llama-tiny-a": "zoo:llama-tiny-a", "x": "/ckpt/x", "my-model": str(ckpt)}
+    with pytest.raises(ValueError, match="twice"):
+        parse_models("llama-tiny-a,llama-tiny-a")
+    with pytest.raises(ValueError, match="empty"):
+        parse_models(" , ")
