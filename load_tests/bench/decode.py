@@ -7,6 +7,8 @@ no eos token id), `tokens/s = batch * new_tokens / wall time`, where the wall ti
 from handing the batch over (add_request / generate) until the last token is back, so
 it INCLUDES the prefill on both sides. Prefill is measured on its own as well (engine:
 its prefill steps; HF: generate with one new token) and `*_decode_only_tps` excludes it.
+The process CPU time of each run is recorded too (`*_cpu_s`, `decode_vs_hf_cpu`): on a
+shared, oversubscribed host the wall clock mostly measures the neighbours, CPU time less so.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def measure_decode(path: Path, *, device: torch.device, dtype: str | None, batch
     run_to_completion(engine, greedy_requests(name, prompts, min(4, new_tokens), "warm"))
     _hf_generate(hf, prompts, min(4, new_tokens), device)
 
-    engine_s, hf_s, engine_prefill_s, hf_prefill_s, steps = [], [], [], [], []
+    engine_s, hf_s, engine_prefill_s, hf_prefill_s, steps, engine_cpu, hf_cpu = [], [], [], [], [], [], []
     engine_tokens = hf_tokens = None
     breakdown = instrument(engine)
     breakdown.reset()
@@ -46,14 +48,17 @@ def measure_decode(path: Path, *, device: torch.device, dtype: str | None, batch
     for i in range(repeats):
         for side in (("engine", "hf") if i % 2 == 0 else ("hf", "engine")):
             if side == "engine":
+                c0 = time.process_time()
                 t, prefill_s, n_steps, engine_tokens = _engine_run(engine, name, prompts, new_tokens, device, i)
+                engine_cpu.append(time.process_time() - c0)
                 engine_s.append(t)
                 engine_prefill_s.append(prefill_s)
                 steps.append(n_steps)
             else:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 hf_tokens = _hf_generate(hf, prompts, new_tokens, device)
                 hf_s.append(time.perf_counter() - t0)
+                hf_cpu.append(time.process_time() - c0)
                 t0 = time.perf_counter()
                 _hf_generate(hf, prompts, 1, device)
                 hf_prefill_s.append(time.perf_counter() - t0)
@@ -73,6 +78,9 @@ def measure_decode(path: Path, *, device: torch.device, dtype: str | None, batch
         "hf_prefill_s": hp,
         "decode_only_tps": batch * (new_tokens - 1) / max(1e-9, e - ep),
         "hf_decode_only_tps": batch * (new_tokens - 1) / max(1e-9, h - hp),
+        "decode_cpu_s": median(engine_cpu),
+        "hf_generate_cpu_s": median(hf_cpu),
+        "decode_vs_hf_cpu": median(hf_cpu) / median(engine_cpu),
         "decode_steps": median(steps),
         "decode_samples_s": engine_s,
         "hf_generate_samples_s": hf_s,

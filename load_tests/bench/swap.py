@@ -3,8 +3,8 @@
 The swap goes through the real `WeightSlots.ensure_resident`: one slot and two names for
 the same checkpoint, so every call evicts the other name and copies the whole model (the
 host cache holds the bytes once; both names map the same file). The limit is a raw
-`dst.copy_(src)` of the same bytes between the same two buffers (host-cache mapping ->
-slot), timed in the same loop, alternating which goes first so neither sees a warmer cache.
+`dst.copy_(src)` of the same bytes between the same two buffers (the swapped name's
+host-cache mapping -> the slot), timed in the same loop, alternating which goes first so neither sees a warmer cache.
 """
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats
     slots = WeightSlots(memory, host_cache)
     for name in names:
         slots.add_model(name, layout)   # fills the host cache (cold path, not timed)
-    src = host_cache.flat(names[0])     # [nbytes] uint8, pinned on GPU hosts
     dst = memory.slot(0)[:nbytes]       # [nbytes] uint8 on the device
     non_blocking = device.type == "cuda"
 
-    def raw_copy() -> None:
-        dst.copy_(src, non_blocking=non_blocking)
+    def raw_copy(name: str) -> None:
+        # [nbytes] uint8 host-cache mapping of `name` (pinned on GPU hosts): the swap's own source
+        dst.copy_(host_cache.flat(name), non_blocking=non_blocking)
 
-    slots.ensure_resident(names[0])     # first touch of both buffers, untimed
-    raw_copy()
+    slots.ensure_resident(names[0])     # first touch of every buffer, untimed
+    for name in names:
+        raw_copy(name)
     sync(device)
     swaps_before = slots.stats()["num_swaps"]
     swap_s, memcpy_s = [], []
@@ -46,9 +47,9 @@ def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats
         name = names[(i + 1) % 2]        # the other name: a real swap every time
         if i % 2 == 0:
             swap_s.append(timed(lambda: slots.ensure_resident(name), device))
-            memcpy_s.append(timed(raw_copy, device))
+            memcpy_s.append(timed(lambda: raw_copy(name), device))
         else:
-            memcpy_s.append(timed(raw_copy, device))
+            memcpy_s.append(timed(lambda: raw_copy(name), device))
             swap_s.append(timed(lambda: slots.ensure_resident(name), device))
     num_swaps = slots.stats()["num_swaps"] - swaps_before
     if num_swaps != repeats:
