@@ -2,7 +2,8 @@
 
 Every contender is judged against the same SLO, so it must not favour any of them: it is
 set from what one model costs alone on one worker's share of the cores (one engine, no
-Ray, no traffic), the way a provider sets SLOs from a model's dedicated latency:
+traffic; the runner measures it inside a Ray worker process, as the contenders' workers
+run), the way a provider sets SLOs from a model's dedicated latency:
 
     TBT SLO  = tbt_factor  x decode step   (a batch of `batch_size` requests)
     TTFT SLO = ttft_factor x (prefill of one prompt of `prompt_len` tokens + one weight swap-in)
