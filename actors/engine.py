@@ -256,7 +256,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
             return None
-        _policy_forget(self.policy, request)
+        self.policy.detach_request(request_id)
         self.held[request_id] = (self.requests.pop(request_id), self.outputs.pop(request_id))
         return request
 
@@ -270,7 +270,7 @@ class Engine:
         """A handoff did not happen: the held request continues here, KV untouched."""
         request, assembler = self.held.pop(request_id)
         self.requests[request_id], self.outputs[request_id] = request, assembler
-        _policy_adopt(self.policy, request)
+        self.policy.reattach_request(request)
 
     def kv_views(self, model: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pool as blocks of `model`: (view `[slabs, per_slab, L, 2, 16, H, D]`, grid
@@ -365,22 +365,6 @@ class Engine:
         m = self.models[self.requests[request_id].model]
         shape = _kv_shape(m.spec, m.dtype)
         return self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
-
-
-def _policy_forget(policy: SchedulingPolicy, request: Request) -> None:
-    """Drop a RUNNING request from the policy's tables without freeing its blocks (KV handoff).
-    (Belongs in SchedulingPolicy as detach_request; kept here until it moves there.)"""
-    policy.running[request.model].remove(request)
-    del policy.requests[request.request_id]
-    policy._order.pop(request.request_id, None)
-
-
-def _policy_adopt(policy: SchedulingPolicy, request: Request) -> None:
-    """Put a RUNNING request with its blocks back into the policy's tables."""
-    policy.requests[request.request_id] = request
-    policy._order[request.request_id] = policy._next_order
-    policy._next_order += 1
-    policy._insert_running(request)
 
 
 def _kv_shape(spec: ModelSpec, dtype: torch.dtype):

@@ -148,6 +148,27 @@ class SchedulingPolicy(ABC):
         self._finish(request, status)
         return request
 
+    def detach_request(self, request_id: str) -> Request:
+        """Take a RUNNING request out of scheduling while its KV blocks stay allocated (a KV
+        handoff in progress); the caller frees the blocks or hands it back with `reattach_request`."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running here")
+        self.running[request.model].remove(request)
+        del self.requests[request_id]
+        self._order.pop(request_id, None)
+        return request
+
+    def reattach_request(self, request: Request) -> None:
+        """Schedule again a RUNNING request taken out by `detach_request`, blocks untouched."""
+        self._entry(request.model)
+        if request.request_id in self.requests or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request.request_id!r} cannot be reattached ({request.status.name})")
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = self._next_order
+        self._next_order += 1
+        self._insert_running(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
