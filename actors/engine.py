@@ -105,9 +105,12 @@ class Engine:
     # -- models ---------------------------------------------------------------------------
 
     def register_model(self, name: str, path: str | Path) -> dict:
-        """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit."""
+        """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit.
+        Registering the same name and checkpoint again is a no-op (placement may retry)."""
         if name in self.models:
-            raise ValueError(f"model {name!r} is already registered")
+            if Path(self.models[name].spec.path).resolve() == Path(path).resolve():
+                return self.model_info(name)
+            raise ValueError(f"model {name!r} is already registered from {self.models[name].spec.path}")
         spec = ModelSpec.from_dir(path)
         dtype = getattr(torch, self.config.dtype or spec.torch_dtype)
         layout = WeightLayout.from_dir(path, dtype=dtype)
@@ -126,10 +129,13 @@ class Engine:
         return self.model_info(name)
 
     def unregister_model(self, name: str) -> None:
+        """Stop serving `name`. Refused while it has requests here: nothing accepted is lost
+        (placement retries once they have finished)."""
         self._model(name)
-        live = [r for r in self.requests.values() if r.model == name]
-        for request in live:
-            self.abort(request.request_id)
+        live = sum(r.model == name for r in self.requests.values()) + \
+            sum(r.model == name for r, _ in self.held.values())
+        if live:
+            raise ValueError(f"model {name!r} still has {live} unfinished requests on this worker")
         self.policy.remove_model(name)
         del self.models[name]
 

@@ -148,7 +148,7 @@ class PlacementService:
             *(handles[w].unregister_model.remote(m) for w, m in todo), return_exceptions=True)
         for (w, m), result in zip(todo, results):
             if isinstance(result, BaseException) and not isinstance(result, RayActorError):
-                logger.warning("placement: unregister_model(%s) on %s failed: %s", m, w, result)
+                logger.info("placement: unregister_model(%s) on %s deferred: %s", m, w, result)
 
     def _get_router(self):
         if self._router is None:

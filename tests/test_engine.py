@@ -66,7 +66,7 @@ def _run(engine: Engine, requests: list[GenerateRequest], max_steps: int = 20000
     steps = 0
     while engine.has_unfinished():
         for frame in engine.step():
-            o = out[frame.request_id]
+            o = out.setdefault(frame.request_id, {"tokens": [], "text": "", "finish": None})
             o["tokens"] += frame.token_ids
             o["text"] += frame.text
             if frame.finish_reason:
@@ -185,3 +185,16 @@ def test_model_too_big_for_the_budget_is_refused_with_numbers(zoo_model):
     with pytest.raises(ValueError, match=r"needs .*MB of weights but a slot holds"):
         engine.register_model("big", big)
     assert "big" not in engine.models
+
+
+def test_unregister_waits_for_live_requests_and_reregister_is_idempotent(zoo_model):
+    model = "llama-tiny-a"
+    path = zoo_model(model)
+    engine = _engine({model: path}, num_slots=1)
+    assert engine.register_model(model, path)["name"] == model     # same checkpoint again: no-op
+    engine.add_request(GenerateRequest("live", model, (5, 6), SamplingParams(max_tokens=4)))
+    with pytest.raises(ValueError, match="still has 1 unfinished"):
+        engine.unregister_model(model)
+    _run(engine, [])
+    engine.unregister_model(model)
+    assert model not in engine.models
