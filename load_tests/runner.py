@@ -264,7 +264,7 @@ def run(args) -> int:
 
 def _models_sweep(args, models, threads, slo, settings):
     from load_tests.contenders import Deployment, make_contender
-    from load_tests.sweep import model_count_sweep
+    from load_tests.sweep import at_rate, model_count_sweep
 
     path = next(iter(models.values()))
     stem = Path(path).name
@@ -274,8 +274,9 @@ def _models_sweep(args, models, threads, slo, settings):
         return Deployment(ms, 1, engine_config(ms, args), threads, slo)
 
     def workload_for(d: Deployment):
-        return make_workload(args, list(d.models), args.model_rate * len(d.models),
-                             max(args.max_requests, 2))
+        # at_rate: a short bursty sample's own rate is far from the nominal one; scale it there
+        rate = args.model_rate * len(d.models)
+        return at_rate(make_workload(args, list(d.models), rate, max(args.max_requests, 2)), rate, settings)
 
     return model_count_sweep(lambda: make_contender("token"), deployment_for, workload_for,
                              args.model_counts, settings, threshold=args.threshold,
