@@ -152,7 +152,6 @@ def _show_registration(thread: threading.Thread, args: AppArgs, show_progress: b
             bar.n = len(set(servable) & set(args.models))
             bar.refresh()
         bar.n = bar.total
-        bar.refresh()
 
 
 def _namespaces_of(name: str) -> list[str]:
@@ -209,7 +208,7 @@ def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
 @contextlib.contextmanager
 def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT_PORT, host: str = DEFAULT_HOST,
               num_devices: int = 2, address: str | None = None, app_name: str = "tokenmux",
-              show_progress: bool = False, **app_args: Any) -> Iterator[str]:
+              show_progress: bool = False, log_to_driver: bool = False, **app_args: Any) -> Iterator[str]:
     """Ray (joined or started with `num_devices` virtual devices) + topology + Serve app;
     yields the base URL and tears it all down (stops Ray only if it started it)."""
     import ray
@@ -218,7 +217,7 @@ def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT
     from cluster.ray_runtime import connect_or_start
 
     args = _parse_args({"models": parse_models(models), **app_args})
-    runtime = connect_or_start(address, num_virtual_gpus=num_devices)
+    runtime = connect_or_start(address, num_virtual_gpus=num_devices, log_to_driver=log_to_driver)
     try:
         url = deploy(args, host, port, app_name, show_progress)
         try:
@@ -255,7 +254,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.policy:
         raw["policy"] = ns.policy
     args = _parse_args(raw)
-    runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices)
+    # Replica and worker logs reach this terminal with -v only (Serve logs every request).
+    runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices,
+                               log_to_driver=bool(getattr(ns, "verbose", False)))
     if ns.detach and runtime.started_locally:
         raise ValueError("--detach needs a running cluster to leave the app in (`ray start --head`, "
                          "then --address auto); this process started its own Ray, which ends with it")
@@ -292,7 +293,7 @@ def _join(address: str | None) -> None:
 
     from cluster.ray_runtime import connect_or_start
 
-    connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto")
+    connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
 
 
 def cluster_status(app_name: str = "tokenmux") -> dict:

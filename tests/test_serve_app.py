@@ -144,6 +144,16 @@ def test_status_table_shows_workers_and_models(url):
     assert all(wid in table for wid in status["workers"]) and all(m in table for m in MODELS)
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_host_the_workers_run_on_cuda(url):
+    from deploy.commands import cluster_status
+
+    devices = {w["device"] for w in cluster_status()["workers"].values()}
+    assert devices and all(str(d).startswith("cuda") for d in devices), devices
+    resp = httpx.post(f"{url}/v1/completions", json=_body(max_tokens=8), timeout=120)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+
+
 def test_zz_shutdown_leaves_no_tokenmux_actor(url):
     import ray
     from ray import serve
