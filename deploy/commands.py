@@ -81,6 +81,12 @@ def load_config_args(path: str, app_name: str | None = None) -> dict:
     return dict(apps[0].get("args") or {})
 
 
+def load_http_options(path: str) -> dict:
+    import yaml
+
+    return dict((yaml.safe_load(Path(path).read_text()) or {}).get("http_options") or {})
+
+
 def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
     """Build the zoo models the args name (once; later calls find them built)."""
     from actors import zoo
@@ -237,8 +243,8 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="a serve config file (deploy/serve_config.yaml); its app's args are used")
     source.add_argument("--models", help="comma-separated zoo names, name=checkpoint_dir pairs, or checkpoint dirs")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default {DEFAULT_PORT})")
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"HTTP host (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, help=f"HTTP port (default: the config's, else {DEFAULT_PORT})")
+    parser.add_argument("--host", help=f"HTTP host (default: the config's, else {DEFAULT_HOST})")
     parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
     parser.add_argument("--devices", type=int, default=2, help="virtual devices of a local Ray on a CPU host")
     parser.add_argument("--policy", choices=("token", "request", "dedicated"), help="scheduling policy")
@@ -251,6 +257,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from cluster.ray_runtime import connect_or_start
 
     raw = load_config_args(ns.config) if ns.config else {"models": parse_models(ns.models)}
+    http = load_http_options(ns.config) if ns.config else {}
+    host, port = ns.host or http.get("host") or DEFAULT_HOST, ns.port or http.get("port") or DEFAULT_PORT
     if ns.policy:
         raw["policy"] = ns.policy
     args = _parse_args(raw)
@@ -260,7 +268,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if ns.detach and runtime.started_locally:
         raise ValueError("--detach needs a running cluster to leave the app in (`ray start --head`, "
                          "then --address auto); this process started its own Ray, which ends with it")
-    url = deploy(args, ns.host, ns.port)
+    url = deploy(args, host, port)
     print(f"tokenmux serving {', '.join(args.models)} at {url}  (OpenAI API: {url}/v1)", flush=True)
     if ns.detach:
         return 0

@@ -69,7 +69,8 @@ def head(zoo_model):
                 pass
             time.sleep(1)
         else:
-            pytest.fail("the Ray head's dashboard did not come up: " + (Path(temp_dir) / "head.log").read_text()[-3000:])
+            log_tail = (Path(temp_dir) / "head.log").read_text()[-3000:]
+            pytest.fail(f"the Ray head's dashboard did not come up: {log_tail}")
         yield f"127.0.0.1:{gcs_port}", dashboard, temp_dir
     finally:
         _end_group(proc)
