@@ -15,6 +15,9 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_USAGE_STATS_ENABLED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
+# TOKENMUX_GPU_QUICK=1: a shorter check (~2.5 minutes) for a nearly spent device budget:
+# the gpu tests, and the engine benchmark on llama-100m and one real 1B shape only.
+QUICK="${TOKENMUX_GPU_QUICK:-0}"
 
 echo "== environment"
 { nvidia-smi -L || echo "nvidia-smi: not found"; "$PY" - <<'PYEOF'
@@ -30,7 +33,7 @@ PYEOF
 } 2>&1 | tee "$RESULTS/env.txt"
 
 echo "== gpu tests"
-timeout 200 "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
+timeout "$([ "$QUICK" = 1 ] && echo 80 || echo 200)" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
     --junitxml="$RESULTS/pytest-gpu.xml" 2>&1 | tee "$RESULTS/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 124 ]; then
@@ -60,7 +63,9 @@ PYEOF
 fi
 
 echo "== KV handoff benchmark (CUDA IPC)"
-if "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+if [ "$QUICK" = 1 ]; then
+    echo "skipped: quick mode"
+elif "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
     timeout 90 "$PY" tests/gpu/test_cupy_ipc.py --bench "$RESULTS/kv_ipc_bench.json" || { echo "kv bench failed"; status=1; }
 else
     echo "skipped: cupy or CUDA missing"
@@ -72,9 +77,15 @@ echo "== engine benchmark"
 # the JSON is rewritten after each section, so a timeout still leaves the figures so far.
 # Run as a module: the GPU machine may have no `tokenmux` script, ray or fastapi.
 if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
-    timeout 210 "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
-        --repeats 3 --swap-repeats 7 --cold-repeats 1 --shapes llama3-1b,qwen2.5-7b --shape-repeats 2 \
-        --shape-overhead-models 4 --max-seconds 150 --json "$RESULTS/bench-engine.json" 2>&1 \
+    if [ "$QUICK" = 1 ]; then
+        BENCH=(--repeats 2 --swap-repeats 5 --cold-repeats 1 --shapes llama3-1b --shape-repeats 1
+               --shape-overhead-models 4 --max-seconds 70); LIMIT=100
+    else
+        BENCH=(--repeats 3 --swap-repeats 7 --cold-repeats 1 --shapes llama3-1b,qwen2.5-7b --shape-repeats 2
+               --shape-overhead-models 4 --max-seconds 150); LIMIT=210
+    fi
+    timeout "$LIMIT" "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
+        "${BENCH[@]}" --json "$RESULTS/bench-engine.json" 2>&1 \
         | tee "$RESULTS/bench-engine.log"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 124 ]; then
