@@ -20,9 +20,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from deploy.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
+
+if TYPE_CHECKING:
+    from deploy.app_args import AppArgs
 
 logger = logging.getLogger(__name__)
 
