@@ -89,7 +89,10 @@ def _human(n: int) -> str:
 
 
 def _demo_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per request (engine part)")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of bursty load (cluster part)")
+    parser.add_argument("--max-requests", type=int, default=120, help="requests at most (cluster part)")
+    parser.add_argument("--out", default="out/demo", help="where the report and plots go")
     parser.set_defaults(run=_demo)
 
 

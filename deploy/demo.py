@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
@@ -60,9 +61,84 @@ def engine_demo(models=DEMO_MODELS, max_tokens: int = 24, out=print) -> dict[str
     return texts
 
 
+DEMO_FLEET = ("llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a")
+AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure-llm-2023" / "conv.csv"
+
+
+def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str = "out/demo",
+               out=print) -> dict:
+    """Six models on two virtual devices whose budgets hold two models each, behind the
+    OpenAI HTTP API; a bursty long-tail load from the harness; per-model latency and SLO
+    attainment printed, plots written. Returns the run's summary."""
+    import asyncio
+
+    import ray
+
+    from deploy.commands import cluster_handle, run_local
+    from load_tests.contenders import turns_from_timelines
+    from load_tests.driver import OpenAIHTTPTarget, run
+    from load_tests.metrics import summarize
+    from load_tests.report import write_report
+    from load_tests.workloads import EmpiricalLengths, FixedLengths, Gamma, Zipf, generate
+    from scheduler.slo import SLO
+
+    slo = SLO(ttft_s=2.0, tbt_s=0.25)
+    lengths = (EmpiricalLengths.from_azure(AZURE_CONV, max_input=48, max_output=32) if AZURE_CONV.exists()
+               else FixedLengths(32, 24))
+    workload = generate(Gamma(rate=2.0, cv=3.0), Zipf(1.0), list(DEMO_FLEET), lengths, seed=7,
+                        duration_s=duration_s, num_requests=max_requests)
+    out(f"serving {len(DEMO_FLEET)} models on 2 virtual devices (2 weight slots each), token-level policy; "
+        f"SLO: TTFT {slo.ttft_s:.2f} s, TBT {slo.tbt_s:.2f} s; {len(workload)} requests, bursty (Gamma, CV 3)")
+    with run_local(list(DEMO_FLEET), num_devices=2, port=_free_port(), num_slots=2, policy="token",
+                   slo={"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, show_progress=True) as url:
+        since = time.time()
+
+        async def drive():
+            async with OpenAIHTTPTarget(url) as target:
+                return await run(target, workload, duration_s=duration_s + 1, max_requests=max_requests,
+                                 request_timeout_s=60, vocab_size=2000, progress=True)
+
+        records = asyncio.run(drive())
+        workers = cluster_handle().worker_handles.remote().result()
+        timelines = dict(zip(workers, ray.get([h.timeline.remote() for h in workers.values()])))
+    turns = turns_from_timelines(timelines, since)
+    summary = summarize(records, slo, turns=turns)
+    _print_table(summary, out)
+    paths = write_report(out_dir, {"token": summary}, records={"token": records}, turns={"token": turns},
+                         title="tokenmux demo: 6 models, 2 devices")
+    out("plots: " + ", ".join(str(p) for name, p in sorted(paths.items()) if str(p).endswith(".png")))
+    return summary
+
+
+def _print_table(summary: dict, out) -> None:
+    rows = [("all", summary)] + sorted(summary.get("per_model", {}).items())
+    out(f"{'model':<16}{'reqs':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'TBT p50':>9}{'TBT p99':>9}"
+        f"{'strict':>8}{'cumul.':>8}")
+    for name, s in rows:
+        def f(key: str) -> str:
+            v = s.get(key)
+            return "-" if v is None else f"{v:.3f}"
+        out(f"{name:<16}{s.get('num_requests', 0):>5}{f('ttft_p50_s'):>10}{f('ttft_p99_s'):>10}"
+            f"{f('tbt_p50_s'):>9}{f('tbt_p99_s'):>9}{f('attainment_strict'):>8}{f('attainment_cumulative'):>8}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_demo(args) -> int:
-    print("== tokenmux demo: two zoo models, one device, switched between decode steps ==")
+    print("== 1. one engine, two zoo models, one weight slot: switched between decode steps ==")
     texts = engine_demo(max_tokens=args.max_tokens)
     if not all(texts.values()):
         raise RuntimeError(f"a model produced no text: {texts}")
+    print("\n== 2. the cluster: OpenAI API -> router -> device workers, under a bursty load ==")
+    summary = burst_demo(duration_s=args.duration, max_requests=args.max_requests, out_dir=args.out)
+    failed = summary.get("num_errors", 0)
+    if failed:
+        print(f"{failed} requests failed")
+        return 1
     return 0

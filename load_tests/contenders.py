@@ -179,18 +179,7 @@ class EngineContender(Contender):
         import ray
 
         timelines = ray.get([a.timeline.remote() for a in self.actors])
-        turns = []
-        for i, steps in enumerate(timelines):
-            worker = f"w{i}"
-            for model, start, end, _ in steps:
-                if start < since:
-                    continue
-                start, end = start - since, end - since
-                if turns and turns[-1].worker == worker and turns[-1].model == model:
-                    turns[-1] = Turn(worker, model, turns[-1].start, end)  # consecutive steps: one turn
-                else:
-                    turns.append(Turn(worker, model, start, end))
-        return turns
+        return turns_from_timelines({f"w{i}": steps for i, steps in enumerate(timelines)}, since)
 
     def notes(self, deployment: Deployment) -> list[str]:
         if self.name == "dedicated" and len(deployment.models) > deployment.num_workers:
@@ -249,3 +238,19 @@ async def warm_up(target: Target, models: Sequence[str], *, prompt_len: int = 8,
         except Exception as e:  # a warm-up failure is reported, the measured run decides
             errors[model] = f"{type(e).__name__}: {e}"
     return errors
+
+
+def turns_from_timelines(timelines: dict[str, list[tuple]], since: float) -> list[Turn]:
+    """DeviceWorker timelines ((model, start, end, is_prefill) per step, wall clock) -> turns in
+    seconds from wall-clock `since`; consecutive steps of one model on a worker make one turn."""
+    turns: list[Turn] = []
+    for worker, steps in timelines.items():
+        for model, start, end, _ in steps:
+            if start < since:
+                continue
+            start, end = start - since, end - since
+            if turns and turns[-1].worker == worker and turns[-1].model == model:
+                turns[-1] = Turn(worker, model, turns[-1].start, end)
+            else:
+                turns.append(Turn(worker, model, start, end))
+    return turns
