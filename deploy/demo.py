@@ -136,6 +136,7 @@ def run_demo(args) -> int:
     if not all(texts.values()):
         raise RuntimeError(f"a model produced no text: {texts}")
     print("\n== 2. the cluster: OpenAI API -> router -> device workers, under a bursty load ==")
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)   # Serve logs every request at INFO
     summary = burst_demo(duration_s=args.duration, max_requests=args.max_requests, out_dir=args.out)
     failed = summary.get("num_errors", 0)
     if failed:
