@@ -187,7 +187,7 @@ async def relay_handoff(worker, request: GenerateRequest, stream):
         yield asdict(frame)
     started = time.perf_counter()
     gen = dst.generate_prefilled.remote(asdict(state), desc)
-    acked, finished = False, False
+    acked = False
     try:
         try:
             ack = await asyncio.wait_for(gen.__anext__(), ACK_TIMEOUT_S)
@@ -209,9 +209,9 @@ async def relay_handoff(worker, request: GenerateRequest, stream):
                 frame = await ref
                 sent_tokens += frame["token_ids"]
                 sent_chars += len(frame["text"])
-                finished = frame["finish_reason"] is not None
+                stream.finished = frame["finish_reason"] is not None
                 yield frame
-                if finished:
+                if stream.finished:
                     return
         except Exception as exc:
             logger.warning("decode worker %s failed mid-stream for %s (%s); recomputing here",
@@ -221,20 +221,14 @@ async def relay_handoff(worker, request: GenerateRequest, stream):
         try:
             await asyncio.wrap_future(call(worker.handoff.adopt, worker.engine, retry, None))
         except ValueError as exc:
-            finished = True
+            stream.finished = True
             yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
                                      worker_id=worker.worker_id))
             return
-        while True:
-            await stream.event.wait()
-            frame = stream.take()
-            frame.worker_id = worker.worker_id
-            finished = frame.finished
-            yield asdict(frame)
-            if finished:
-                return
+        async for frame in stream.frames(worker.worker_id):
+            yield frame
     finally:
-        if not finished:
+        if not stream.finished:
             try:
                 import ray
 

@@ -31,6 +31,7 @@ class _Stream:
     def __init__(self) -> None:
         self.pending: OutputFrame | None = None
         self.event = asyncio.Event()
+        self.finished = False   # the frame that ends the request went to the consumer
 
     def push(self, frame: OutputFrame) -> None:
         if self.pending is None:
@@ -48,6 +49,15 @@ class _Stream:
         frame, self.pending = self.pending, None
         self.event.clear()
         return frame
+
+    async def frames(self, worker_id: str):
+        """Frame dicts as they come, up to the one that finishes the request."""
+        while not self.finished:
+            await self.event.wait()
+            frame = self.take()
+            frame.worker_id = worker_id
+            self.finished = frame.finished
+            yield asdict(frame)
 
 
 class EngineLoop:
@@ -152,34 +162,24 @@ class DeviceWorker:
         request = GenerateRequest.from_dict(req)
         stream = _Stream()
         self.streams[request.request_id] = stream
-        finished = False
         try:
             try:
                 await asyncio.wrap_future(self.engine_loop.call(self.engine.add_request, request))
             except ValueError as exc:
-                finished = True
+                stream.finished = True
                 yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
                                          worker_id=self.worker_id))
                 return
             handoff_tried = False
-            while True:
-                await stream.event.wait()
-                frame = stream.take()
-                frame.worker_id = self.worker_id
-                finished = frame.finished
-                yield asdict(frame)
-                if finished:
-                    return
-                if self.role == "prefill" and not handoff_tried:   # decode elsewhere (actors/handoff.py)
-                    handoff_tried = True
+            async for frame in stream.frames(self.worker_id):
+                yield frame
+                if self.role == "prefill" and not handoff_tried and not stream.finished:
+                    handoff_tried = True   # decode elsewhere (actors/handoff.py); relayed frames end it
                     async for relayed in relay_handoff(self, request, stream):
-                        finished = relayed["finish_reason"] is not None
                         yield relayed
-                        if finished:
-                            return
         finally:
             self.streams.pop(request.request_id, None)
-            if not finished:   # the consumer went away: free the request's KV
+            if not stream.finished:   # the consumer went away: free the request's KV
                 self.engine_loop.call(self.engine.abort, request.request_id)
 
     async def generate_prefilled(self, state: dict, desc=None):
@@ -190,28 +190,21 @@ class DeviceWorker:
         request_id = handoff_state.request["request_id"]
         stream = _Stream()
         self.streams[request_id] = stream
-        finished = False
         try:
             try:
                 adopted = await asyncio.wrap_future(
                     self.engine_loop.call(self.handoff.adopt, self.engine, handoff_state, desc))
             except ValueError as exc:   # unknown model, bad state: the sender keeps the request
-                finished = True
+                stream.finished = True
                 yield {"adopted": False, "error": str(exc)}
                 return
             del desc   # drop an object-store ref as soon as the KV is in
             yield {"adopted": adopted, "error": None}
-            while True:
-                await stream.event.wait()
-                frame = stream.take()
-                frame.worker_id = self.worker_id
-                finished = frame.finished
-                yield asdict(frame)
-                if finished:
-                    return
+            async for frame in stream.frames(self.worker_id):
+                yield frame
         finally:
             self.streams.pop(request_id, None)
-            if not finished:
+            if not stream.finished:
                 self.engine_loop.call(self.engine.abort, request_id)
 
     async def close(self) -> None:

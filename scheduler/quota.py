@@ -24,6 +24,14 @@ for its quota q_i, then the device switches to the next batch. Derivation:
   and every batch then sees mean TBT = alpha * TBT_i. alpha > 1 means the device is
   overloaded: the SLOs cannot all be met, but the rule still shares the device fairly.
 
+Q_max when switches are cheap. Aegaeon fixes Q_max = 4 s for GPUs where a switch costs
+about a second. A quota only needs to be long enough to amortise the round's switches;
+past that it just lengthens the round, and every other batch stalls for the whole round.
+With `switch_factor` K the cap becomes min(Q_max, K * c0): then alpha >= 1/(K * min_i n_i) + S,
+so switching takes at most 1/(K * min_i n_i * alpha) of the device (about 5% for K = 8,
+n = 5, alpha = 0.5), while a round stays a small multiple of c0. With expensive switches
+K * c0 exceeds Q_max and the rule is Aegaeon's unchanged.
+
 Two corner cases the formula does not cover:
   * c0 == 0 (every model of the round stays resident): switches are free, so short turns
     cost nothing; each batch gets `min_quota_steps` steps.
@@ -42,7 +50,8 @@ class QuotaPlan:
 
 
 def decode_quotas(
-    tbt_slos_s, step_times_s, switch_time_s: float, quota_max_s: float, min_quota_steps: int = 4
+    tbt_slos_s, step_times_s, switch_time_s: float, quota_max_s: float, min_quota_steps: int = 4,
+    switch_factor: float | None = None,
 ) -> QuotaPlan:
     """Quotas of the decode batches of one round (see the module docstring for the rule)."""
     tbt_slos_s = [float(x) for x in tbt_slos_s]
@@ -59,6 +68,8 @@ def decode_quotas(
         raise ValueError(f"quota_max_s must be > 0, got {quota_max_s!r}")
     if min_quota_steps < 1:
         raise ValueError(f"min_quota_steps must be >= 1, got {min_quota_steps!r}")
+    if switch_factor is not None and not switch_factor > 0:
+        raise ValueError(f"switch_factor must be > 0 or None, got {switch_factor!r}")
 
     n = [slo / d for slo, d in zip(tbt_slos_s, step_times_s)]
     if len(n) == 1:
@@ -70,5 +81,7 @@ def decode_quotas(
         alpha = max(round_s / min_quota_steps / slo for slo in tbt_slos_s)
         return QuotaPlan(alpha=alpha, quotas_s=quotas)
     s = sum(1.0 / x for x in n)
+    if switch_factor is not None:
+        quota_max_s = min(quota_max_s, switch_factor * switch_time_s)
     alpha = max(switch_time_s / (min(n) * quota_max_s) + s, 0.5)
     return QuotaPlan(alpha=alpha, quotas_s=tuple(switch_time_s / (x * (alpha - s)) for x in n))

@@ -142,7 +142,8 @@ class TokenLevelPolicy(SchedulingPolicy):
         switch = 0.0 if resident else sum(self.estimator.predict_switch(m) for m in models)
         slos = [min(r.slo.tbt_s for r in self.running[m]) for m in models]
         steps = [self._predict_decode(m) for m in models]
-        plan = decode_quotas(slos, steps, switch, self.config.quota_max_s, self.config.min_quota_steps)
+        plan = decode_quotas(slos, steps, switch, self.config.quota_max_s, self.config.min_quota_steps,
+                             self.config.quota_switch_factor)
         self._quotas = dict(zip(models, plan.quotas_s))
         self.last_alpha = plan.alpha
         logger.debug("new round %s alpha=%.3f quotas=%s", models, plan.alpha, plan.quotas_s)

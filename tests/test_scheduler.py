@@ -460,3 +460,20 @@ def test_make_policy_by_name():
         assert type(policy) is cls and policy.host_block_manager is not None
     with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
         make_policy("fifo", BlockManager(4, SLAB))
+
+
+def test_cheap_switches_cap_quotas_at_a_multiple_of_the_switch_cost():
+    from scheduler.quota import decode_quotas
+
+    # three busy batches, n = 5 each (S = 0.6): Aegaeon's fixed Q_max makes every quota 4 s,
+    # so each batch stalls ~8 s per round although a switch costs 10 ms in all
+    fixed = decode_quotas([0.05] * 3, [0.01] * 3, 0.01, quota_max_s=4.0)
+    capped = decode_quotas([0.05] * 3, [0.01] * 3, 0.01, quota_max_s=4.0, switch_factor=8.0)
+    assert max(fixed.quotas_s) == pytest.approx(4.0)
+    assert max(capped.quotas_s) == pytest.approx(0.08)
+    round_s = 0.01 + sum(capped.quotas_s)
+    assert 0.01 / round_s < 0.05                        # switching stays a small share of the device
+    assert capped.alpha == pytest.approx(0.6 + 1 / 40)  # mean TBT barely above the switch-free ideal
+    # expensive switches (a 7B model on a GPU): K * c0 > Q_max, the rule is Aegaeon's unchanged
+    gpu = decode_quotas([0.1] * 3, [0.02] * 3, 2.4, quota_max_s=4.0, switch_factor=8.0)
+    assert gpu == decode_quotas([0.1] * 3, [0.02] * 3, 2.4, quota_max_s=4.0)
