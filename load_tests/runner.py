@@ -214,12 +214,13 @@ def run(args) -> int:
     rates = sorted(set(args.rates or [ref_rate * k for k in RATE_STEPS]) | {ref_rate}) \
         if "rate" in args.sweep else [ref_rate]
 
-    summaries, sweeps, records, turns, notes, warm = {}, {}, {}, {}, [], {}
+    summaries, sweeps, records, turns, notes, warm, all_points = {}, {}, {}, {}, [], {}, {}
     for name in args.contenders:
         contender = make_contender(name)
         notes += contender.notes(deployment)
         logger.info("contender %s: rates %s", name, [round(r, 3) for r in rates])
         points, warm[name] = rate_sweep(contender, deployment, workload, rates, settings)
+        all_points[name] = points
         ref = points[min(points, key=lambda r: abs(r - ref_rate))]
         summaries[name], records[name], turns[name] = ref.summary, ref.records, ref.turns
         if "rate" in args.sweep:
@@ -243,6 +244,18 @@ def run(args) -> int:
     for other in ("request", "multiplexed", "dedicated"):
         out[f"token_vs_{other}_rate"], out[f"token_vs_{other}_rate_kind"] = rate_ratio(
             rows, "token", other, rate_key, rates)
+    if "rate" in args.sweep:   # the same points judged by the other attainment measure, side by side
+        alt_metric = "cumulative" if args.sweep_metric == "strict" else "strict"
+        alt_rows = {}
+        for name, points in all_points.items():
+            alt = attainment_by_rate(points, alt_metric)
+            alt_rows[name] = {rate_key: max_rate_at(alt, args.threshold)}
+            out[name][f"sweep_{alt_metric}"] = alt
+            out[name][f"{rate_key}_{alt_metric}"] = alt_rows[name][rate_key]
+        for other in ("request", "multiplexed", "dedicated"):
+            if "token" in alt_rows and other in alt_rows:
+                out[f"token_vs_{other}_rate_{alt_metric}"], out[f"token_vs_{other}_rate_{alt_metric}_kind"] = \
+                    rate_ratio(alt_rows, "token", other, rate_key, rates)
 
     if "models" in args.sweep:
         best, by_count = _models_sweep(args, models, threads, slo, settings)
