@@ -3,6 +3,9 @@ placed by the placement service, a request routed and streamed end to end."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,14 +52,15 @@ def test_config_rejects_bad_input(tmp_path, zoo_model):
 
 
 def test_bring_up_without_ray_is_a_clear_error(zoo_model):
-    import ray
-
-    from cluster.topology import TopologyConfig, bring_up
-
-    if ray.is_initialized():
-        pytest.skip("this process is already connected to Ray")
-    with pytest.raises(ValueError, match="connect_or_start"):
-        bring_up(TopologyConfig(models={"m": str(zoo_model("llama-tiny-a"))}))
+    # in a fresh process: this one is connected to the session's Ray
+    code = ("from cluster.topology import TopologyConfig, bring_up\n"
+            "try:\n"
+            f"    bring_up(TopologyConfig(models={{'m': {str(zoo_model('llama-tiny-a'))!r}}}))\n"
+            "except ValueError as e:\n"
+            "    print('ValueError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert "ValueError:" in out.stdout and "connect_or_start" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
