@@ -136,6 +136,9 @@ def main() -> dict:
         out["joined"] = wait_until(lambda: len(topo.workers) == 6, 90)
         new_node = next(iter(set(topo.worker_nodes.values()) - set(nodes)), None)
         out["new_workers"] = sorted(w for w, n in topo.worker_nodes.items() if n == new_node)
+        # the router routes (and placement places) only on workers whose stats it has seen
+        out["joined"] &= wait_until(lambda: set(out["new_workers"]) <= set(
+            ray.get(topo.router.status.remote())["workers"]), 30)
         # ... and takes traffic: a model added now goes to a worker with the fewest models, a new one
         extra = "mistral-tiny-a"
         ray.get(topo.placement.add_model.remote(extra, str(ensure_model(extra))))
