@@ -139,12 +139,23 @@ def main() -> dict:
         # the router routes (and placement places) only on workers whose stats it has seen
         out["joined"] &= wait_until(lambda: set(out["new_workers"]) <= set(
             ray.get(topo.router.status.remote())["workers"]), 30)
-        # ... and takes traffic: a model added now goes to a worker with the fewest models, a new one
-        extra = "mistral-tiny-a"
-        ray.get(topo.placement.add_model.remote(extra, str(ensure_model(extra))))
-        wid, tokens, finish = asyncio.run(routed(topo.router, "n1", extra))
-        out["new_node_served"] = {"worker": wid, "ok": tokens == reference(str(ensure_model(extra)), PROMPT,
-                                                                            MAX_TOKENS) and finish == "length"}
+        # ... and takes traffic. Placement gives a new model to the least-loaded worker with the
+        # fewest models (ties by id), so one new model per model-less worker (the two of the new
+        # node, and the old workers holding nothing) puts some on the new node whatever the ids.
+        plan_now = ray.get(topo.placement.plan.remote())["assignments"]
+        idle = [w for w in topo.workers if not any(w in ws for ws in plan_now.values())]
+        extras = [m for m in ("mistral-tiny-a", "mistral-tiny-b", "qwen2-tiny-c", "llama-tiny-c",
+                              "mistral-tiny-c", "qwen2-tiny-a") if m not in MODELS][:len(idle)]
+        for extra in extras:
+            ray.get(topo.placement.add_model.remote(extra, str(ensure_model(extra))))
+        served = []
+        for i, extra in enumerate(extras):
+            wid, tokens, finish = asyncio.run(routed(topo.router, f"n{i}", extra))
+            ok = tokens == reference(str(ensure_model(extra)), PROMPT, MAX_TOKENS) and finish == "length"
+            served.append((wid, ok))
+        new_served = [w for w, _ in served if w in out["new_workers"]]
+        out["new_node_served"] = {"worker": new_served[0] if new_served else served[0][0],
+                                  "ok": all(ok for _, ok in served)}
         out["timings"]["join_s"] = time.monotonic() - t0
 
         # 4. a burst on one model spreads it over more workers (the new node's included), then shrinks back
