@@ -32,7 +32,7 @@ from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
-from scheduler.policies import make_policy
+from scheduler.policy_registry import make_policy
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)

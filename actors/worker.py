@@ -219,7 +219,7 @@ class DeviceWorker:
         if self._router is None:
             import ray
 
-            from actors.router import ROUTER_NAME
+            from scheduler.messages import ROUTER_NAME
 
             self._router = ray.get_actor(ROUTER_NAME)
         return self._router

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.placement_service import PLACEMENT_NAME, get_or_create_placement
-from actors.router import ROUTER_NAME, get_or_create_router
+from cluster.placement_service import PLACEMENT_NAME, get_or_create_placement
+from cluster.router import ROUTER_NAME, get_or_create_router
 from cluster.node_watcher import NodeWatcher
 from cluster.ray_runtime import NodeResources, alive_nodes
 from scheduler.placement import PlacementConfig

@@ -1,16 +1,12 @@
-"""deploy: the edge of tokenmux — how requests get in and tokens get out.
+"""deploy: the edges of tokenmux, one sub-package per audience.
 
-    client (openai SDK / HTTP / tokenmux client / Serve handle)
-      -> ingress.py: FastAPI app, OpenAI-compatible routes       (OpenAIIngress)
-      -> request_builder.py: validate, tokenize, apply limits   -> GenerateRequest
-      -> engine_client.py: EngineClient protocol (router + workers behind it)
-      <- OutputFrame stream (several tokens per frame, text deltas)
-      <- openai_stream.py: frames -> OpenAI chunks / response, SSE; abort on disconnect
-
-openai_protocol.py holds the pydantic request/response models, errors.py the OpenAI
-error shape (400 naming the field, 404 listing models, 500 from the engine),
-ingress_config.py the limits (max_tokens cap, defaults, default SLO). client.py is the
-Python client (`TokenmuxClient`, `AsyncTokenmuxClient`); client_backends.py its two
-transports, HTTP (httpx) and a Serve DeploymentHandle calling the ingress deployment's
-`generate_frames(request_dict)`.
+    openai_api/  the OpenAI-compatible HTTP edge: FastAPI ingress over an `EngineClient`
+                 (validate, tokenize, stream OutputFrames back as OpenAI chunks / SSE)
+    serve_app/   the Ray Serve application (`deploy.serve_app.app:build_app`), its typed
+                 args, the real `EngineClient` over the router + DeviceWorkers, and the
+                 `serve deploy` / KubeRay configs
+    cli/         the `tokenmux` command line for operators (serve, status, shutdown, demo,
+                 bench, loadtest, zoo)
+    client/      the Python client library (`TokenmuxClient`, `AsyncTokenmuxClient`) over
+                 HTTP or a Serve handle
 """

@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _checkpoint(name_or_dir: str) -> str:
     if Path(name_or_dir, "config.json").is_file():
         return str(Path(name_or_dir))
-    from actors.zoo import ensure_model
+    from load_tests.zoo import ensure_model
 
     return str(ensure_model(name_or_dir))
 

@@ -18,7 +18,7 @@ from load_tests.metrics import RequestRecord, Turn, summarize
 from load_tests.workloads import Workload
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, KVShape
-from scheduler.policies import make_policy
+from scheduler.policy_registry import make_policy
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO

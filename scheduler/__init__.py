@@ -15,7 +15,7 @@ from scheduler.dedicated import DedicatedPolicy
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.messages import GenerateRequest, OutputFrame
-from scheduler.policies import make_policy
+from scheduler.policy_registry import make_policy
 from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from scheduler.quota import QuotaPlan, decode_quotas
 from scheduler.request import Request, RequestStatus

@@ -52,6 +52,11 @@ class GenerateRequest:
         )
 
 
+# Named actors of one tokenmux cluster, looked up by name from any process (the worker
+# finds the router by it without importing the control plane).
+ROUTER_NAME = "tokenmux-router"
+PLACEMENT_NAME = "tokenmux-placement"
+
 # finish_reason values, as in the OpenAI API, plus "cancelled" and "error".
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

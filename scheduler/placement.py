@@ -1,7 +1,7 @@
 """Placement: which workers may hold which models, and which role each worker plays.
 
 `PlacementPolicy.plan(workers, models, load, slos, now)` turns capacity and observed
-load into a `PlacementPlan`. The PlacementService (actors/placement_service.py) applies
+load into a `PlacementPlan`. The PlacementService (cluster/placement_service.py) applies
 it (register/unregister models, set roles) and hands it to the router, which routes a
 model only to the workers the plan lists for it.
 

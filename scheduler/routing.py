@@ -1,6 +1,6 @@
 """Routing: which worker takes a new request of a model.
 
-The GlobalRouter (actors/router.py) keeps one `WorkerView` per worker, built from the
+The GlobalRouter (cluster/router.py) keeps one `WorkerView` per worker, built from the
 worker's latest `stats()` plus what the router itself has dispatched since, and asks
 `RoutingPolicy.pick`. The rule, enforced in `pick`:
 

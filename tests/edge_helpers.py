@@ -10,10 +10,11 @@ from typing import Callable, Iterator
 
 import uvicorn
 
-from actors.zoo import ensure_model
-from deploy.engine_client import FakeEngineClient, ModelInfo
-from deploy.ingress import build_ingress_app
-from deploy.ingress_config import IngressConfig
+from load_tests.zoo import ensure_model
+from deploy.openai_api.engine_protocol import ModelInfo
+from fakes import FakeEngineClient
+from deploy.openai_api.ingress import build_ingress_app
+from deploy.openai_api.config import IngressConfig
 
 MODEL = "llama-tiny-a"
 OTHER_MODEL = "qwen2-tiny-a"

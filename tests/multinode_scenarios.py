@@ -62,7 +62,7 @@ async def routed(router, rid, model, max_tokens=MAX_TOKENS) -> tuple[str, list[i
 
 def handoff(ray, topo, src, dst, model, rid) -> dict:
     """Prefill on src, decode on dst: a private router that knows only these two."""
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
 
     router = GlobalRouter.remote(poll_interval_s=0.5)
     w = topo.workers
@@ -95,7 +95,7 @@ def main() -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from actors.zoo import ensure_model
+    from load_tests.zoo import ensure_model
     from cluster.topology import TopologyConfig, bring_up
     from scheduler.slo import SLO
 

@@ -20,7 +20,7 @@ TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swa
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "engine", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "deploy.cli.main", "bench", "engine", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

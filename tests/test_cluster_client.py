@@ -24,7 +24,7 @@ def cluster(ray_session, zoo_model):
     """`cluster(n)` -> (router, {worker_id: handle}, model path): fresh actors per test."""
     import ray
 
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
     from actors.worker import DeviceWorker
 
     path = str(zoo_model(MODEL))
@@ -60,7 +60,7 @@ async def _collect(client, req):
 def test_streams_a_whole_request_and_releases_it(cluster):
     import ray
 
-    from deploy.cluster_client import ClusterEngineClient
+    from deploy.serve_app.cluster_engine import ClusterEngineClient
 
     router, workers, path = cluster(1)
     client = ClusterEngineClient(router, {MODEL: path})
@@ -77,7 +77,7 @@ def test_streams_a_whole_request_and_releases_it(cluster):
 def test_worker_killed_before_the_first_token_is_redispatched(cluster):
     import ray
 
-    from deploy.cluster_client import ClusterEngineClient
+    from deploy.serve_app.cluster_engine import ClusterEngineClient
 
     router, workers, path = cluster(2)
     client = ClusterEngineClient(router, {MODEL: path})
@@ -96,7 +96,7 @@ def test_worker_killed_before_the_first_token_is_redispatched(cluster):
 def test_worker_killed_mid_stream_ends_with_an_error_frame_keeping_the_tokens(cluster):
     import ray
 
-    from deploy.cluster_client import ClusterEngineClient
+    from deploy.serve_app.cluster_engine import ClusterEngineClient
 
     router, workers, path = cluster(1)
     client = ClusterEngineClient(router, {MODEL: path})
@@ -120,7 +120,7 @@ def test_worker_killed_mid_stream_ends_with_an_error_frame_keeping_the_tokens(cl
 def test_abort_mid_stream_frees_the_workers_kv(cluster):
     import ray
 
-    from deploy.cluster_client import ClusterEngineClient
+    from deploy.serve_app.cluster_engine import ClusterEngineClient
 
     router, workers, path = cluster(1)
     client = ClusterEngineClient(router, {MODEL: path})

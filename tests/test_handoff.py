@@ -130,7 +130,7 @@ def test_add_prefilled_rejects_bad_state(path):
 @pytest.fixture(scope="module")
 def pair(ray_session, path):
     ray = ray_session
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
     from actors.worker import DeviceWorker
 
     make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
@@ -179,7 +179,7 @@ def test_dead_decode_worker_loses_nothing(pair, reference):
 def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, path, reference):
     """Two CUDA workers on one GPU node: CUDA IPC when cupy is there, else the shm staging path."""
     ray = ray_session
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
     from actors.worker import DeviceWorker
 
     env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}

@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from deploy.engine_client import FakeEngineClient
-from deploy.ingress import OpenAIIngress
-from deploy.ingress_config import IngressConfig
+from fakes import FakeEngineClient
+from deploy.openai_api.ingress import OpenAIIngress
+from deploy.openai_api.config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
                           running_server, wait_until, zoo_models)
 from scheduler.messages import OutputFrame

@@ -1,11 +1,11 @@
-"""The KubeRay RayService parses, asks for GPUs, and embeds deploy/serve_config_gpu.yaml's app."""
+"""The KubeRay RayService parses, asks for GPUs, and embeds deploy/serve_app/serve_config_gpu.yaml's app."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "serve_app"
 
 
 def _rayservice() -> dict:
@@ -20,11 +20,11 @@ def test_rayservice_embeds_the_gpu_serve_config_application():
     assert embedded["applications"] == gpu["applications"]   # same import_path, args, runtime_env
     assert embedded["http_options"] == gpu["http_options"]
     app = embedded["applications"][0]
-    assert app["import_path"] == "deploy.app:build_app"
+    assert app["import_path"] == "deploy.serve_app.app:build_app"
 
 
 def test_the_embedded_args_are_valid_app_args():
-    from deploy.app_args import parse_app_args
+    from deploy.serve_app.app_args import parse_app_args
 
     for config in (yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]),
                    yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())):

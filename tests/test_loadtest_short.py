@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from deploy.cli import build_parser
+from deploy.cli.main import build_parser
 from load_tests.contenders import Deployment, make_contender
 from load_tests.runner import rate_ratio, run
 from load_tests.slo import StepTimes, default_slo

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from actors import zoo
+from load_tests import zoo
 from actors.model_spec import CheckpointError, ModelSpec
 
 

@@ -85,7 +85,7 @@ def fake_workers(ray_session):
 def cluster(ray_session, fake_workers):
     """A fresh router (fast polling) over the fake workers, reset to their initial models."""
     ray = ray_session
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
 
     ray.get([h.reset.remote(*INITIAL[wid]) for wid, h in fake_workers.items()])
     router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=2.0)
@@ -138,7 +138,7 @@ def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
 
 def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers):
     ray = ray_session
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
 
     ray.get(fake_workers["w1"].reset.remote(("a",)))
     router = GlobalRouter.remote(poll_interval_s=60.0)   # no poll will notice in time
@@ -158,7 +158,7 @@ def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers)
 
 def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(cluster):
     ray, router, workers = cluster
-    from actors.placement_service import PlacementService
+    from cluster.placement_service import PlacementService
 
     models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b", "c", "d")}
     config = {"scale_out_load": 8, "scale_in_load": 2, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}
@@ -197,7 +197,7 @@ def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(clu
 
 def test_placement_service_splits_roles_under_load(cluster):
     ray, router, workers = cluster
-    from actors.placement_service import PlacementService
+    from cluster.placement_service import PlacementService
 
     models = {"a": {"path": "/models/a", "weight_bytes": GB}}
     placement = PlacementService.remote(models=models, config={"split_load": 10, "merge_load": 1}, router=router)
@@ -221,7 +221,7 @@ def test_placement_service_splits_roles_under_load(cluster):
 
 def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake_workers):
     ray = ray_session
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
 
     ray.get(fake_workers["w1"].reset.remote(("a",)))
     router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=0.2, max_missed=2)
@@ -243,7 +243,7 @@ def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake
 
 def test_started_placement_replans_by_itself_and_follows_a_burst(cluster):
     ray, router, workers = cluster
-    from actors.placement_service import PlacementService
+    from cluster.placement_service import PlacementService
 
     models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b")}
     config = {"scale_out_load": 4, "scale_in_load": 1, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}

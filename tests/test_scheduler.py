@@ -453,7 +453,7 @@ def test_random_workloads_always_finish_and_free_everything(cls, arrivals, host_
 
 
 def test_make_policy_by_name():
-    from scheduler.policies import make_policy
+    from scheduler.policy_registry import make_policy
 
     for name, cls in (("token", TokenLevelPolicy), ("request", RequestLevelPolicy), ("dedicated", DedicatedPolicy)):
         policy = make_policy(name, BlockManager(4, SLAB), BlockManager(4, SLAB))

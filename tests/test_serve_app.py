@@ -1,4 +1,4 @@
-"""The real Serve app (deploy.app:build_app) on the session Ray: 2 tiny zoo models, 2 virtual
+"""The real Serve app (deploy.serve_app.app:build_app) on the session Ray: 2 tiny zoo models, 2 virtual
 devices. HTTP (httpx), the official openai SDK, the tokenmux client over HTTP and over a
 Serve handle, errors, client disconnect, `tokenmux status`, and shutdown leaving nothing.
 
@@ -30,7 +30,7 @@ def _free_port() -> int:
 def url(ray_session):
     from ray import serve
 
-    from deploy.commands import run_local
+    from deploy.cli.commands import run_local
 
     rest = {k: v for k, v in ARGS.items() if k != "models"}
     with run_local(MODELS, port=_free_port(), app_name=APP, **rest) as base:   # joins the session Ray
@@ -39,7 +39,7 @@ def url(ray_session):
 
 
 def _workers():
-    from deploy.commands import cluster_handle
+    from deploy.cli.commands import cluster_handle
 
     return cluster_handle(APP).worker_handles.remote().result(timeout_s=30)
 
@@ -135,7 +135,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(url):
 
 
 def test_status_table_shows_workers_and_models(url):
-    from deploy.commands import cluster_status, format_status
+    from deploy.cli.commands import cluster_status, format_status
 
     status = cluster_status()
     assert len(status["workers"]) == 2 and all(w["alive"] for w in status["workers"].values())
@@ -147,7 +147,7 @@ def test_status_table_shows_workers_and_models(url):
 
 @pytest.mark.gpu
 def test_on_a_gpu_host_the_workers_run_on_cuda(url):
-    from deploy.commands import cluster_status
+    from deploy.cli.commands import cluster_status
 
     devices = {w["device"] for w in cluster_status()["workers"].values()}
     assert devices and all(str(d).startswith("cuda") for d in devices), devices
@@ -159,8 +159,8 @@ def test_zz_shutdown_leaves_no_tokenmux_actor(url):
     import ray
     from ray import serve
 
-    from actors.router import ROUTER_NAME
-    from deploy.commands import cluster_handle, undeploy
+    from cluster.router import ROUTER_NAME
+    from deploy.cli.commands import cluster_handle, undeploy
 
     workers = list(_workers().values())
     namespace = cluster_handle(APP).namespace.remote().result(timeout_s=30)
@@ -199,7 +199,7 @@ def _answers(ray, handle) -> bool:
     ({"models": {"a": "zoo:llama-tiny-a"}, "slo": {"ttft_s": 0}}, "ttft_s"),
 ])
 def test_bad_app_args_name_the_field(bad, field):
-    from deploy.app_args import parse_app_args
+    from deploy.serve_app.app_args import parse_app_args
 
     with pytest.raises(ValueError, match=field):
         parse_app_args(bad)
@@ -207,7 +207,7 @@ def test_bad_app_args_name_the_field(bad, field):
 
 def test_engine_config_from_args_is_a_valid_engine_config():
     from actors.engine import EngineConfig
-    from deploy.app_args import parse_app_args
+    from deploy.serve_app.app_args import parse_app_args
 
     args = parse_app_args({"models": {"a": "/ckpt/a"}, "budget_gb": 40, "kv_fraction": 0.3, "dtype": "bfloat16"})
     config = EngineConfig(**args.engine_config())
@@ -216,7 +216,7 @@ def test_engine_config_from_args_is_a_valid_engine_config():
 
 
 def test_cli_models_list(tmp_path):
-    from deploy.commands import parse_models
+    from deploy.cli.commands import parse_models
 
     ckpt = tmp_path / "my-model"
     ckpt.mkdir()

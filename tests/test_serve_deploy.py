@@ -1,6 +1,6 @@
 """The real `serve deploy` flow, in a world of its own: a separate Ray head started with
 `ray start --head --block` (a child process group of this test, ended with SIGTERM then
-SIGKILL — never `ray stop`), `serve deploy deploy/serve_config.yaml` (a temp copy with a
+SIGKILL — never `ray stop`), `serve deploy deploy/serve_app/serve_config.yaml` (a temp copy with a
 free HTTP port), HTTP queries, `tokenmux status`, `serve shutdown`, and `tokenmux
 shutdown` finding nothing left behind.
 """
@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-CONFIG = ROOT / "deploy" / "serve_config.yaml"
+CONFIG = ROOT / "deploy" / "serve_app" / "serve_config.yaml"
 
 
 def _free_port() -> int:

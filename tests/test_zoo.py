@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from actors import zoo
+from load_tests import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENMUX = REPO / ".venv" / "bin" / "tokenmux"
@@ -199,7 +199,7 @@ def test_cli_without_a_subcommand_shows_usage():
 
 
 def test_cli_module_entry_matches_console_script():
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "zoo", "list", "--json"],
+    result = subprocess.run([sys.executable, "-m", "deploy.cli.main", "zoo", "list", "--json"],
                             capture_output=True, text=True, cwd=REPO, timeout=60)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == len(zoo.ZOO)

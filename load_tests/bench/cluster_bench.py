@@ -52,7 +52,7 @@ class KVEndpoint:
 
         from actors.handoff import KVHandoff
         from actors.model_spec import ModelSpec
-        from actors.zoo import ensure_model
+        from load_tests.zoo import ensure_model
 
         torch.set_num_threads(threads)
         spec = ModelSpec.from_dir(ensure_model(HANDOFF_MODEL))
@@ -163,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.router import GlobalRouter
+    from cluster.router import GlobalRouter
     from actors.worker import DeviceWorker
-    from actors.zoo import ensure_model
+    from load_tests.zoo import ensure_model
 
     if ray.is_initialized():
         raise ValueError("bench cluster starts its own 2-raylet cluster; run it in a fresh process")

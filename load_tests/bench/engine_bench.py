@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     sections = check_args(args)   # bad numbers fail before anything heavy loads
     import torch
 
-    from actors import zoo
+    from load_tests import zoo
     from load_tests.bench.common import bench_host_cache, machine_info
     from load_tests.bench.shapes import parse_shapes
 

@@ -1,4 +1,4 @@
-"""Typed arguments of the Serve app (`deploy.app:build_app`), as `serve deploy` passes them.
+"""Typed arguments of the Serve app (`deploy.serve_app.app:build_app`), as `serve deploy` passes them.
 
     args:
       models: {llama-a: zoo:llama-tiny-a, qwen: /ckpt/Qwen2.5-0.5B-Instruct}
@@ -62,7 +62,7 @@ class AppArgs(BaseModel):
             if not source.strip():
                 raise ValueError(f"model {name!r}: empty source; give a checkpoint dir or zoo:NAME")
             if source.startswith(ZOO_PREFIX):
-                from actors import zoo
+                from load_tests import zoo
 
                 zoo_name = source[len(ZOO_PREFIX):]
                 if zoo_name not in zoo.ZOO:
@@ -114,7 +114,7 @@ def resolve_model_sources(models: dict[str, str], progress=None) -> dict[str, st
         if progress is not None:
             progress(name, i, len(models))
         if source.startswith(ZOO_PREFIX):
-            from actors import zoo
+            from load_tests import zoo
 
             resolved[name] = str(zoo.ensure_model(source[len(ZOO_PREFIX):]))
         else:

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from deploy.engine_client import ModelInfo, TokenizerCache
+from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
 logger = logging.getLogger(__name__)

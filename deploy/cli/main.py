@@ -40,7 +40,7 @@ def _zoo_parser(parser: argparse.ArgumentParser) -> None:
 def _zoo_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from actors import zoo
+    from load_tests import zoo
 
     names = None  # every recipe marked default
     if args.models is not None:
@@ -67,7 +67,7 @@ def _zoo_build(args: argparse.Namespace) -> int:
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
-    from actors import zoo
+    from load_tests import zoo
 
     rows = zoo.list_zoo(args.dir)
     if args.json:
@@ -97,7 +97,7 @@ def _demo_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from deploy.demo import run_demo
+    from deploy.cli.demo import run_demo
 
     return run_demo(args)
 
@@ -153,19 +153,19 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
-    from deploy.commands import configure_serve
+    from deploy.cli.commands import configure_serve
 
     configure_serve(parser)
 
 
 def _status_parser(parser: argparse.ArgumentParser) -> None:
-    from deploy.commands import configure_status
+    from deploy.cli.commands import configure_status
 
     configure_status(parser)
 
 
 def _shutdown_parser(parser: argparse.ArgumentParser) -> None:
-    from deploy.commands import configure_shutdown
+    from deploy.cli.commands import configure_shutdown
 
     configure_shutdown(parser)
 

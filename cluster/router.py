@@ -25,11 +25,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from scheduler.placement import ModelLoad, PlacementPlan
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
+from scheduler.messages import ROUTER_NAME
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
-ROUTER_NAME = "tokenmux-router"
 
 
 @dataclass

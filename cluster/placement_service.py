@@ -26,13 +26,13 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from scheduler.messages import PLACEMENT_NAME
 from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
 from scheduler.routing import WorkerView
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_NAME = "tokenmux-placement"
 
 
 def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
@@ -152,7 +152,7 @@ class PlacementService:
 
     def _get_router(self):
         if self._router is None:
-            from actors.router import ROUTER_NAME
+            from cluster.router import ROUTER_NAME
 
             self._router = ray.get_actor(ROUTER_NAME)
         return self._router

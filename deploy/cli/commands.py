@@ -4,7 +4,7 @@
         ...   # OpenAI-compatible HTTP at url; TokenmuxClient(url) or the openai SDK
 
 `serve` joins the Ray cluster at --address / $RAY_ADDRESS, or starts a local one with
-virtual devices; deploys `deploy.app:build_app` with Serve; prints the URL; and stays
+virtual devices; deploys `deploy.serve_app.app:build_app` with Serve; prints the URL; and stays
 until Ctrl-C (then deletes the app), or returns at once with --detach. `status` and
 `shutdown` join the cluster the same way (a detached `serve` leaves a local Ray only for
 as long as its process lives, so use them with `ray start --head` + `serve --address auto`).
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from deploy.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
+from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
 
 if TYPE_CHECKING:
-    from deploy.app_args import AppArgs
+    from deploy.serve_app.app_args import AppArgs
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ POLL_S = 0.5
 
 
 def _parse_args(raw: dict) -> "AppArgs":
-    from deploy.app_args import parse_app_args
+    from deploy.serve_app.app_args import parse_app_args
 
     return parse_app_args(raw)
 
@@ -77,10 +77,10 @@ def load_config_args(path: str, app_name: str | None = None) -> dict:
 
     config = yaml.safe_load(Path(path).read_text())
     apps = (config or {}).get("applications") or []
-    apps = [a for a in apps if a.get("import_path") == "deploy.app:build_app"
+    apps = [a for a in apps if a.get("import_path") == "deploy.serve_app.app:build_app"
             and (app_name is None or a.get("name") == app_name)]
     if not apps:
-        raise ValueError(f"{path}: no application with import_path deploy.app:build_app")
+        raise ValueError(f"{path}: no application with import_path deploy.serve_app.app:build_app")
     return dict(apps[0].get("args") or {})
 
 
@@ -92,7 +92,7 @@ def load_http_options(path: str) -> dict:
 
 def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
     """Build the zoo models the args name (once; later calls find them built)."""
-    from actors import zoo
+    from load_tests import zoo
 
     names = [s[len(ZOO_PREFIX):] for s in args.models.values() if s.startswith(ZOO_PREFIX)]
     missing = [n for n in names if not zoo.is_built(n)]
@@ -118,7 +118,7 @@ def deploy(args: AppArgs, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, ap
     """Start Serve (if needed), deploy the app, wait until it serves; returns its URL."""
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.serve_app.app import build_app
 
     build_zoo_models(args, show_progress)
     serve.start(http_options={"host": host, "port": port})
@@ -144,7 +144,7 @@ def _show_registration(thread: threading.Thread, args: AppArgs, show_progress: b
     import ray
     from tqdm import tqdm
 
-    from actors.router import ROUTER_NAME
+    from cluster.router import ROUTER_NAME
 
     with tqdm(total=len(args.models), desc="registering models", unit="model", file=sys.stderr,
               disable=not show_progress) as bar:
@@ -173,7 +173,7 @@ def cluster_handle(app_name: str = "tokenmux"):
     """Serve handle of the app's TokenmuxCluster deployment (the topology's owner)."""
     from ray import serve
 
-    from deploy.app import CLUSTER_DEPLOYMENT
+    from deploy.serve_app.app import CLUSTER_DEPLOYMENT
 
     return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
 
@@ -185,8 +185,8 @@ def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
     import ray
     from ray import serve
 
-    from actors.placement_service import PLACEMENT_NAME
-    from actors.router import ROUTER_NAME
+    from cluster.placement_service import PLACEMENT_NAME
+    from cluster.router import ROUTER_NAME
 
     removed = []
     namespaces = None
@@ -244,7 +244,7 @@ def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="a serve config file (deploy/serve_config.yaml); its app's args are used")
+    source.add_argument("--config", help="a serve config file (deploy/serve_app/serve_config.yaml); its app's args are used")
     source.add_argument("--models", help="comma-separated zoo names, name=checkpoint_dir pairs, or checkpoint dirs")
     parser.add_argument("--port", type=int, help=f"HTTP port (default: the config's, else {DEFAULT_PORT})")
     parser.add_argument("--host", help=f"HTTP host (default: the config's, else {DEFAULT_HOST})")

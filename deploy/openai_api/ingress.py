@@ -20,12 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.engine_client import EngineClient
-from deploy.errors import OpenAIError, from_validation_error, invalid, server_error
-from deploy.ingress_config import IngressConfig
-from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from deploy.openai_stream import Endpoint, collect_response, sse_stream, stream_chunks
-from deploy.request_builder import build_generate_request
+from deploy.openai_api.engine_protocol import EngineClient
+from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, server_error
+from deploy.openai_api.config import IngressConfig
+from deploy.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
+from deploy.openai_api.request_builder import build_generate_request
 from scheduler.messages import GenerateRequest
 
 logger = logging.getLogger(__name__)

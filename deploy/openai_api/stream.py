@@ -16,9 +16,9 @@ from typing import AsyncIterator, Literal
 
 import anyio
 
-from deploy.engine_client import EngineClient
-from deploy.errors import OpenAIError, server_error
-from deploy.openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+from deploy.openai_api.engine_protocol import EngineClient
+from deploy.openai_api.errors import OpenAIError, server_error
+from deploy.openai_api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                     ChatDelta, ChatResponseMessage, CompletionChoice, CompletionResponse,
                                     TokenmuxExtension, Usage)
 from scheduler.messages import GenerateRequest, OutputFrame

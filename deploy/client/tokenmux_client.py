@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
-from deploy.client_backends import (AsyncHTTPBackend, AsyncServeHandleBackend, HTTPBackend, ServeHandleBackend,
+from deploy.client.transports import (AsyncHTTPBackend, AsyncServeHandleBackend, HTTPBackend, ServeHandleBackend,
                                     TokenmuxError)
 
 __all__ = ["AsyncTokenmuxClient", "Completion", "StreamChunk", "TokenmuxClient", "TokenmuxError", "Usage"]

@@ -10,7 +10,7 @@ exercised: GQA and MQA, head_dim != hidden/heads, q/k/v bias, tied embeddings, R
 scaling, several EOS ids.
 
 The tokenizer is a byte-level BPE trained here, in well under a second, on
-actors/zoo_corpus.txt (text written for tokenmux) and shared by all zoo models.
+load_tests/zoo_corpus.txt (text written for tokenmux) and shared by all zoo models.
 
 Where models live: $TOKENMUX_ZOO_DIR, else ~/.cache/tokenmux/zoo. A model directory is
 complete once its marker file (written last) exists and matches the recipe; an

@@ -9,10 +9,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from deploy.engine_client import EngineClient, ModelInfo
-from deploy.errors import OpenAIError, invalid, model_not_found, unsupported
-from deploy.ingress_config import IngressConfig
-from deploy.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deploy.openai_api.engine_protocol import EngineClient, ModelInfo
+from deploy.openai_api.errors import OpenAIError, invalid, model_not_found, unsupported
+from deploy.openai_api.config import IngressConfig
+from deploy.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO

@@ -1,79 +1,12 @@
-"""The protocol the ingress speaks to the serving cluster, and a fake engine for tests.
-
-The ingress never sees workers or the router: it tokenizes, hands a `GenerateRequest`
-to an `EngineClient`, and turns the `OutputFrame`s that come back (several tokens each,
-`text` = detokenized delta, the last one has `finish_reason`) into OpenAI responses.
-The real client (router + workers) is plugged in by `deploy/`'s Serve app; tests plug in
-`FakeEngineClient`, which speaks the same protocol and uses a real tokenizer.
-"""
+"""Test doubles that speak the product's protocols (never shipped in product code)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator
 
+from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
 from scheduler.messages import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerateRequest, OutputFrame
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str  # what clients put in "model"
-    path: str  # local checkpoint directory (holds the tokenizer)
-    max_context: int  # prompt + completion tokens must fit
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("ModelInfo.name must be non-empty")
-        if not self.path:
-            raise ValueError(f"ModelInfo.path must be non-empty (model {self.name!r})")
-        if not isinstance(self.max_context, int) or self.max_context <= 0:
-            raise ValueError(f"ModelInfo.max_context must be a positive integer, got {self.max_context!r}")
-
-
-@runtime_checkable
-class EngineClient(Protocol):
-    def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
-        """Stream the request's output; an `async def` with `yield` satisfies this.
-        Errors should arrive as a frame with finish_reason="error"; the ingress also
-        copes with an exception raised mid-stream."""
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop generating for a request whose client went away; idempotent."""
-        ...
-
-    def models(self) -> list[ModelInfo]:
-        """The models served now. Called from worker threads too: must be thread-safe."""
-        ...
-
-    def tokenizer(self, model: str) -> Any:
-        """The model's Hugging Face tokenizer (see `TokenizerCache`); called off the event
-        loop, in a worker thread, since the first call may load it from disk."""
-        ...
-
-
-class TokenizerCache:
-    """Loads each model's tokenizer once (AutoTokenizer from its local path) and keeps it."""
-
-    def __init__(self) -> None:
-        self._tokenizers: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def get(self, model: str, path: str) -> Any:
-        with self._lock:
-            tok = self._tokenizers.get(model)
-            if tok is None:
-                from transformers import AutoTokenizer
-
-                logger.info("loading tokenizer of %s from %s", model, path)
-                tok = AutoTokenizer.from_pretrained(path)
-                self._tokenizers[model] = tok
-            return tok
 
 
 class FakeEngineClient:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from deploy.openai_protocol import ErrorInfo, ErrorResponse
+from deploy.openai_api.protocol import ErrorInfo, ErrorResponse
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

@@ -1,4 +1,4 @@
-"""The Serve application: `deploy.app:build_app` is the import path of `serve run|deploy`.
+"""The Serve application: `deploy.serve_app.app:build_app` is the import path of `serve run|deploy`.
 
     TokenmuxIngress  (N replicas, HTTP + handle)  --- ClusterEngineClient ---> router, workers
          |  router handle, model table at start
@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from deploy.app_args import AppArgs, parse_app_args, resolve_model_sources
+from deploy.serve_app.app_args import AppArgs, parse_app_args, resolve_model_sources
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +107,9 @@ class TokenmuxIngress:
     """OpenAI-compatible HTTP, plus `generate_frames` / `list_models` for Serve handles."""
 
     async def __init__(self, args: dict, cluster: Any) -> None:
-        from deploy.cluster_client import ClusterEngineClient, model_infos
-        from deploy.ingress import build_ingress_app
-        from deploy.ingress_config import IngressConfig
+        from deploy.serve_app.cluster_engine import ClusterEngineClient, model_infos
+        from deploy.openai_api.ingress import build_ingress_app
+        from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
 
         self.args = parse_app_args(args)

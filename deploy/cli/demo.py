@@ -12,7 +12,7 @@ from pathlib import Path
 
 from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
-from actors.zoo import ensure_model
+from load_tests.zoo import ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ def engine_demo(models=DEMO_MODELS, max_tokens: int = 24, out=print) -> dict[str
 
 
 DEMO_FLEET = ("llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a")
-AZURE_CONV = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure-llm-2023" / "conv.csv"
+AZURE_CONV = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "azure-llm-2023" / "conv.csv"
 
 
 def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str = "out/demo",
@@ -74,7 +74,7 @@ def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str =
 
     import ray
 
-    from deploy.commands import cluster_handle, run_local
+    from deploy.cli.commands import cluster_handle, run_local
     from load_tests.contenders import turns_from_timelines
     from load_tests.driver import OpenAIHTTPTarget, run
     from load_tests.metrics import summarize
