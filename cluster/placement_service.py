@@ -27,7 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from scheduler.messages import PLACEMENT_NAME
-from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
+from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes
 from scheduler.routing import WorkerView
 from scheduler.slo import SLO
 
@@ -112,8 +112,7 @@ class PlacementService:
     # ---- applying a plan ---------------------------------------------------------------
 
     async def _register(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> PlacementPlan:
-        todo = [(v.worker_id, m) for v in views if v.alive and v.worker_id in handles
-                for m in plan.models_for(v.worker_id) if m not in v.registered]
+        todo = [(w, m) for w, m in plan_changes(plan, views).register if w in handles]
         results = await asyncio.gather(
             *(handles[w].register_model.remote(m, self._paths[m]) for w, m in todo), return_exceptions=True)
         failed = {}
@@ -134,16 +133,14 @@ class PlacementService:
                              demand=plan.demand, unplaceable=unplaceable, version=plan.version)
 
     async def _set_roles(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
-        todo = [(v.worker_id, plan.roles[v.worker_id]) for v in views
-                if v.worker_id in plan.roles and v.worker_id in handles and v.role != plan.roles[v.worker_id]]
+        todo = [(w, r) for w, r in plan_changes(plan, views).roles if w in handles]
         results = await asyncio.gather(*(handles[w].set_role.remote(r) for w, r in todo), return_exceptions=True)
         for (w, r), result in zip(todo, results):
             if isinstance(result, BaseException):
                 logger.warning("placement: set_role(%s) on %s failed: %s", r, w, result)
 
     async def _unregister(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
-        todo = [(v.worker_id, m) for v in views if v.alive and v.worker_id in handles
-                for m in v.registered - set(plan.models_for(v.worker_id)) if v.load_by_model.get(m, 0) == 0]
+        todo = [(w, m) for w, m in plan_changes(plan, views).unregister if w in handles]
         results = await asyncio.gather(
             *(handles[w].unregister_model.remote(m) for w, m in todo), return_exceptions=True)
         for (w, m), result in zip(todo, results):

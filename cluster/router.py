@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from scheduler.placement import ModelLoad, PlacementPlan
+from scheduler.placement import PlacementPlan, observed_load
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.messages import ROUTER_NAME
 from scheduler.slo import SLO
@@ -130,13 +130,7 @@ class GlobalRouter:
             for key, acc in (("queue_depth", queued), ("running", running)):
                 for m, n in ((entry.stats or {}).get(key) or {}).items():
                     acc[m] = acc.get(m, 0) + int(n)
-        pending = self._tracker.pending()
-        load = {}
-        for m in set(queued) | set(running) | self._tracker.models():
-            q, r = queued.get(m, 0), running.get(m, 0)
-            # Dispatched but not yet seen by a worker counts as queued.
-            q += max(0, pending.get(m, 0) - q - r)
-            load[m] = asdict(ModelLoad(self._tracker.rate(m, now), q, r))
+        load = {m: asdict(l) for m, l in observed_load(queued, running, self._tracker, now).items()}
         return {"workers": [v.to_dict() for v in views], "load": load}
 
     async def status(self) -> dict:

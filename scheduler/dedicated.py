@@ -20,6 +20,11 @@ class DedicatedPolicy(SchedulingPolicy):
         if self.model is None:
             self.model = name
 
+    def remove_model(self, name: str) -> None:
+        super().remove_model(name)
+        if name == self.model:   # the device is free for the next model placement gives it
+            self.model = next(iter(self.models), None)
+
     def add_request(self, request: Request) -> None:
         if request.model != self.model:
             raise ValueError(

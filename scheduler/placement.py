@@ -12,13 +12,24 @@ Rules, all enforced in `PlacementPolicy.plan`:
 - Cold models cost no device: every placeable model gets at least one worker that *may*
   hold it; its weights enter a slot only when a request comes.
 - Demand of a model = max(queued + running, rate x request_s) (Little's law), i.e. the
-  requests it keeps in flight.
-- Replicas with hysteresis: when demand per replica exceeds `scale_out_load` (all its
-  workers are hot), one more worker is added per plan. A replica is removed only after
-  demand with one fewer replica has stayed below `scale_in_load` (< scale_out_load) for
-  `cooldown_s`, one at a time. Existing assignments are kept (sticky) so nothing moves
-  without cause; new replicas go to the least-loaded fitting worker, preferring a node
-  whose host cache already has the model.
+  requests it keeps in flight. Placement follows a rise at once and a fall slowly: demand
+  and rate are the larger of what is observed and their previous value decayed with time
+  constant `cooldown_s`, so one quiet window does not repack the fleet (roles, which
+  have a cooldown of their own, follow the demand observed now).
+- SLO-aware packing (scheduler/packing.py): a worker holds a bounded set of models whose
+  decode rounds fit their SLOs: the sum over its active models of step time / TBT SLO,
+  plus its switch share (the quota rule's), stays <= `max_load`, and a round stays within
+  `round_ttft_frac` of the TTFT SLO. Costs come from each ModelInfo (the planner fills
+  them from GPU profiles); unknown ones from the workers' measured step times, else the
+  config's defaults. So a model's decode stays on one worker until its own demand needs a
+  replica, instead of every model spreading over every worker.
+- Replicas with hysteresis: a model gets the fewest replicas a lone one of which fits a
+  worker and carries at most `scale_out_load` requests in flight, at once when demand
+  rises. A replica is removed only when one fewer would still do with the demand inflated
+  by scale_out_load / scale_in_load (the dead band), for `cooldown_s`, one at a time.
+  Existing assignments are kept (sticky) while their worker's set still fits, so nothing
+  moves without cause; new replicas go to the least-loaded worker that fits, preferring a
+  node whose host cache already has the model. At most `max_models_per_worker` per worker.
 - Roles (Aegaeon-style disaggregation): with >= 2 live workers and total demand
   >= `split_load`, workers split into a prefill pool (`prefill_fraction` of them, at least
   one, interleaved across nodes so each node tends to have both kinds and the KV handoff
@@ -31,10 +42,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.packing import ModelCost, PackItem, PackLimits, WorkerBin, pack, replica, replicas_needed
+from scheduler.policy import SchedulerConfig
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -44,12 +58,19 @@ logger = logging.getLogger(__name__)
 class ModelInfo:
     weight_bytes: int
     kv_bytes_per_token: int = 0
+    # Step costs on a worker, for SLO-aware packing; 0 = unknown (measured step times or defaults).
+    decode_step_s: float = 0.0              # one decode step, batch of 1
+    decode_step_per_request_s: float = 0.0  # added per request in the batch
+    prefill_s: float = 0.0                  # one typical prompt
 
     def __post_init__(self) -> None:
         if self.weight_bytes <= 0:
             raise ValueError(f"weight_bytes must be > 0, got {self.weight_bytes!r}")
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token!r}")
+        for name in ("decode_step_s", "decode_step_per_request_s", "prefill_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     @classmethod
     def of(cls, value: Any) -> "ModelInfo":
@@ -57,10 +78,14 @@ class ModelInfo:
         if isinstance(value, ModelInfo):
             return value
         if isinstance(value, Mapping):
-            return cls(int(value["weight_bytes"]), int(value.get("kv_bytes_per_token", 0)))
+            return cls(int(value["weight_bytes"]), int(value.get("kv_bytes_per_token", 0)),
+                       *(float(value.get(k, 0.0)) for k in _COST_KEYS))
         if isinstance(value, (tuple, list)):
             return cls(*(int(v) for v in value))
         return cls(int(value))
+
+
+_COST_KEYS = ("decode_step_s", "decode_step_per_request_s", "prefill_s")
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,20 @@ class ModelLoad:
         return cls(queued=int(value))  # a bare number: requests in flight
 
 
+def observed_load(queued: Mapping[str, int], running: Mapping[str, int], tracker: Any,
+                  now: float) -> dict[str, ModelLoad]:
+    """Per-model load as the router reports it to placement: queued and running summed over
+    the workers' stats; requests dispatched (`tracker`, a routing.LoadTracker) that no
+    worker has counted yet count as queued; the arrival rate over the tracker's window."""
+    pending = tracker.pending()
+    load = {}
+    for m in set(queued) | set(running) | tracker.models():
+        q, r = queued.get(m, 0), running.get(m, 0)
+        q += max(0, pending.get(m, 0) - q - r)
+        load[m] = ModelLoad(tracker.rate(m, now), q, r)
+    return load
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     request_s: float = 5.0          # mean time a request stays on a worker
@@ -91,8 +130,21 @@ class PlacementConfig:
     split_load: float = 16.0        # total demand at which >= 2 workers split prefill/decode
     merge_load: float = 6.0         # total demand below which (after cooldown) all go back to mixed
     prefill_fraction: float = 0.5
+    # SLO-aware packing (scheduler/packing.py)
+    max_load: float = 0.9               # predicted busy share a worker's set may reach
+    round_ttft_frac: float = 0.5        # a decode round within this share of the TTFT SLO
+    max_models_per_worker: int = 32
+    sticky_slack: float = 1.25          # a previous assignment stays while within the limits x this
+    swap_bytes_per_s: float = 8e9       # host cache -> slot: prices a switch
+    default_decode_step_s: float = 0.02  # when neither the model nor the workers say
+    default_prefill_s: float = 0.05
+    quota_max_s: float = SchedulerConfig.quota_max_s
+    quota_switch_factor: float | None = SchedulerConfig.quota_switch_factor
 
     def __post_init__(self) -> None:
+        self.pack_limits()   # validates the packing fields
+        if not self.swap_bytes_per_s > 0 or not self.default_decode_step_s > 0 or self.default_prefill_s < 0:
+            raise ValueError("swap_bytes_per_s and default_decode_step_s must be > 0, default_prefill_s >= 0")
         if self.request_s <= 0 or self.cooldown_s < 0:
             raise ValueError("request_s must be > 0 and cooldown_s >= 0")
         if not 0 < self.scale_in_load < self.scale_out_load:
@@ -101,6 +153,10 @@ class PlacementConfig:
             raise ValueError(f"need 0 <= merge_load < split_load, got {self.merge_load}, {self.split_load}")
         if not 0 < self.prefill_fraction < 1:
             raise ValueError(f"prefill_fraction must be in (0, 1), got {self.prefill_fraction!r}")
+
+    def pack_limits(self) -> PackLimits:
+        return PackLimits(self.max_load, self.round_ttft_frac, self.max_models_per_worker,
+                          self.quota_max_s, self.quota_switch_factor, self.sticky_slack)
 
 
 @dataclass(frozen=True)
@@ -136,7 +192,8 @@ class PlacementPlan:
             "split": self.split,
             "assignments": {m: list(ws) for m, ws in sorted(self.assignments.items())},
             "roles": dict(sorted(self.roles.items())),
-            "models": {m: {"weight_bytes": i.weight_bytes, "kv_bytes_per_token": i.kv_bytes_per_token}
+            "models": {m: {"weight_bytes": i.weight_bytes, "kv_bytes_per_token": i.kv_bytes_per_token,
+                           **{k: getattr(i, k) for k in _COST_KEYS if getattr(i, k)}}
                        for m, i in sorted(self.models.items())},
             "slos": {m: {"ttft_s": s.ttft_s, "tbt_s": s.tbt_s} for m, s in sorted(self.slos.items())},
             "demand": dict(sorted(self.demand.items())),
@@ -156,6 +213,30 @@ class PlacementPlan:
         )
 
 
+@dataclass(frozen=True)
+class PlanChanges:
+    """What applying a plan to the workers as they are takes, in the order it is done:
+    register where a worker gains a model, set roles, (route by the plan), then unregister
+    where a model left a worker and none of its requests is in flight there (the rest wait
+    for a later round)."""
+
+    register: tuple[tuple[str, str], ...]     # (worker, model)
+    roles: tuple[tuple[str, str], ...]        # (worker, role)
+    unregister: tuple[tuple[str, str], ...]   # (worker, model)
+
+
+def plan_changes(plan: PlacementPlan, views: Iterable[Any]) -> PlanChanges:
+    """`views`: WorkerView-like (worker_id, alive, registered, role, load_by_model)."""
+    live = [v for v in views if getattr(v, "alive", True)]
+    return PlanChanges(
+        register=tuple((v.worker_id, m) for v in live for m in plan.models_for(v.worker_id)
+                       if m not in v.registered),
+        roles=tuple((v.worker_id, plan.roles[v.worker_id]) for v in live
+                    if v.worker_id in plan.roles and v.role != plan.roles[v.worker_id]),
+        unregister=tuple((v.worker_id, m) for v in live for m in sorted(set(v.registered) - set(
+            plan.models_for(v.worker_id))) if v.load_by_model.get(m, 0) == 0))
+
+
 class PlacementPolicy:
     """Stateful across calls: the previous plan, replica counts and cooldown timers give hysteresis."""
 
@@ -168,6 +249,7 @@ class PlacementPolicy:
         self._split = False
         self._merge_since: float | None = None
         self._version = 0
+        self._held: dict[str, tuple[float, float, float]] = {}   # model -> (demand, rate, when), decaying
 
     def plan(self, workers: Iterable[Any], models: Mapping[str, Any],
              load: Mapping[str, Any] | None = None, slos: Mapping[str, SLO] | None = None,
@@ -179,8 +261,7 @@ class PlacementPolicy:
             raise ValueError("worker ids must be unique")
         infos = {m: ModelInfo.of(v) for m, v in models.items()}
         loads = {m: ModelLoad.of(v) for m, v in (load or {}).items()}
-        demand = {m: max(float(l.queued + l.running), l.rate_rps * cfg.request_s)
-                  for m, l in loads.items() if m in infos}
+        demand, rates = self._held_demand(infos, loads, now)
         largest = max((w.slot_bytes for w in live), default=0)
         unplaceable = {}
         for m, info in infos.items():
@@ -190,80 +271,111 @@ class PlacementPolicy:
                 unplaceable[m] = f"weights of {info.weight_bytes} bytes exceed the largest slot ({largest} bytes)"
         placeable = sorted((m for m in infos if m not in unplaceable), key=lambda m: (-demand.get(m, 0.0), m))
 
-        roles = self._roles(live, sum(demand.get(m, 0.0) for m in placeable), now)
+        # Roles have their own cooldown: they follow the demand observed now.
+        observed = sum(max(float(l.queued + l.running), l.rate_rps * cfg.request_s)
+                       for m, l in loads.items() if m in placeable)
+        roles = self._roles(live, observed, now)
         pools = [[w for w in live if roles[w.worker_id] == r] for r in ("prefill", "decode")] \
             if self._split else [live]
         cached_on_node: dict[str, set[str]] = collections.defaultdict(set)
         for w in live:
             cached_on_node[w.node_id].update(getattr(w, "host_cached", ()))
 
-        # One replica decision per model per plan (the pools share it), so hysteresis steps once.
-        wanted = {m: self._replica_count(m, demand.get(m, 0.0), max(
-            sum(w.slot_bytes >= infos[m].weight_bytes for w in pool) for pool in pools), now)
-            for m in placeable}
+        slos = dict(slos or {})
+        measured = sorted(w.step_time_s for w in live if getattr(w, "step_time_s", 0.0) > 0)
+        costs = {m: self._cost(infos[m], slos.get(m) or SLO(), measured[len(measured) // 2] if measured else None)
+                 for m in placeable}
+        limits = cfg.pack_limits()
+        band = cfg.scale_out_load / cfg.scale_in_load
         assignments: dict[str, list[str]] = {m: [] for m in placeable}
-        for pool in pools:
-            pool_load = {w.worker_id: 0.0 for w in pool}
-            pool_models = collections.Counter()
-            plan_order = []
+        for pool in (p for p in pools if p):
+            role = roles[pool[0].worker_id]
+            bins = [WorkerBin(w.worker_id, max(1, int(getattr(w, "num_slots", 1))), role, limits) for w in pool]
+            pool_ids = {w.worker_id for w in pool}
+            items = []
             for m in placeable:
-                fits = [w for w in pool if w.slot_bytes >= infos[m].weight_bytes]
+                fits = frozenset(w.worker_id for w in pool if w.slot_bytes >= infos[m].weight_bytes)
                 if not fits:
                     continue   # this pool cannot hold it; the other pool (or mixed) serves both phases
-                n = min(wanted[m], len(fits))
-                fit_ids = {w.worker_id for w in fits}
-                kept = [w for w in self._assigned.get(m, []) if w in fit_ids][:n]
-                plan_order.append((m, n, fits, kept))
-                for w in kept:
-                    pool_load[w] += demand.get(m, 0.0) / n
-                    pool_models[w] += 1
-            for m, n, fits, kept in plan_order:
-                chosen = list(kept)
-                while len(chosen) < n:
-                    best = min((w for w in fits if w.worker_id not in chosen), key=lambda w: (
-                        pool_load[w.worker_id], m not in cached_on_node[w.node_id],
-                        pool_models[w.worker_id], w.worker_id))
-                    chosen.append(best.worker_id)
-                    pool_load[best.worker_id] += demand.get(m, 0.0) / n
-                    pool_models[best.worker_id] += 1
+                d, rate = demand.get(m, 0.0), rates.get(m, 0.0)
+                need = replicas_needed(m, costs[m], d, rate, len(fits), role, limits, cfg.scale_out_load)
+                need_in = replicas_needed(m, costs[m], d * band, rate * band, len(fits), role, limits,
+                                          cfg.scale_out_load)
+                n = self._replica_count((m, role), need, need_in, len(fits), now)
+                cached = frozenset(w.worker_id for w in pool if m in cached_on_node[w.node_id])
+                sticky = tuple(w for w in self._assigned.get(m, []) if w in pool_ids)
+                items.append(PackItem(m, n, replica(m, costs[m], d, rate, n), fits, sticky, cached))
+            for m, chosen in pack(bins, items).items():
                 assignments[m].extend(chosen)
         for m in placeable:
-            if not assignments[m]:   # cannot happen: the largest slot fits it; kept as a guard
-                unplaceable[m] = "no worker fits"
+            if not assignments[m]:   # every worker whose slot fits it already holds max_models_per_worker
+                unplaceable[m] = (f"every worker that fits it already holds {cfg.max_models_per_worker} "
+                                  f"models (max_models_per_worker)")
                 del assignments[m]
 
         changed = (self._assigned, self._roles_prev) != (assignments, roles)
         self._assigned, self._roles_prev = assignments, roles
-        for m in list(self._replicas):
-            if m not in infos:
-                self._replicas.pop(m)
-                self._cool_since.pop(m, None)
+        for key in list(self._replicas):
+            if key[0] not in infos:
+                self._replicas.pop(key)
+                self._cool_since.pop(key, None)
         if changed or self._version == 0:
             self._version += 1
         if changed:
             logger.info("placement v%d: %s roles=%s", self._version, self._assigned, roles)
         return PlacementPlan(
             assignments={m: tuple(ws) for m, ws in assignments.items()},
-            roles=roles, models=infos, slos=dict(slos or {}),
+            roles=roles, models=infos, slos=slos,
             demand={m: demand.get(m, 0.0) for m in infos}, unplaceable=unplaceable,
             version=self._version,
         )
 
-    def _replica_count(self, model: str, demand: float, max_replicas: int, now: float) -> int:
+    def _held_demand(self, infos: Mapping[str, ModelInfo], loads: Mapping[str, ModelLoad],
+                     now: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Observed demand and rate per model, held: the larger of now and the previous
+        value decayed with time constant cooldown_s."""
         cfg = self.config
-        prev = min(max(1, self._replicas.get(model, 1)), max_replicas)
+        demand, rates = {}, {}
+        for m in infos:
+            load = loads.get(m, ModelLoad())
+            d, r = max(float(load.queued + load.running), load.rate_rps * cfg.request_s), load.rate_rps
+            if m in self._held:
+                d0, r0, t0 = self._held[m]
+                decay = math.exp(-max(0.0, now - t0) / cfg.cooldown_s) if cfg.cooldown_s > 0 else 0.0
+                d, r = max(d, d0 * decay), max(r, r0 * decay)
+            self._held[m] = (d, r, now)
+            if d > 0 or m in loads:
+                demand[m], rates[m] = d, r
+        for m in list(self._held):
+            if m not in infos:
+                del self._held[m]
+        return demand, rates
+
+    def _cost(self, info: ModelInfo, slo: SLO, measured_step_s: float | None) -> ModelCost:
+        cfg = self.config
+        return ModelCost(
+            decode_step_s=info.decode_step_s or measured_step_s or cfg.default_decode_step_s,
+            decode_step_per_request_s=info.decode_step_per_request_s,
+            prefill_s=info.prefill_s or cfg.default_prefill_s,
+            switch_s=info.weight_bytes / cfg.swap_bytes_per_s, tbt_s=slo.tbt_s, ttft_s=slo.ttft_s)
+
+    def _replica_count(self, key: tuple[str, str], needed: int, needed_in: int, max_replicas: int,
+                       now: float) -> int:
+        """Up to `needed` at once; down by one only when `needed_in` (the count for demand
+        inflated by the dead band) has stayed below the current count for a cooldown."""
+        prev = min(max(1, self._replicas.get(key, 1)), max_replicas)
         n = prev
-        if demand / prev > cfg.scale_out_load and prev < max_replicas:
-            n = prev + 1
-            self._cool_since.pop(model, None)
-        elif prev > 1 and demand / (prev - 1) < cfg.scale_in_load:
-            since = self._cool_since.setdefault(model, now)
-            if now - since >= cfg.cooldown_s:
+        if needed > prev:
+            n = min(needed, max_replicas)
+            self._cool_since.pop(key, None)
+        elif prev > 1 and needed_in < prev:
+            since = self._cool_since.setdefault(key, now)
+            if now - since >= self.config.cooldown_s:
                 n = prev - 1
-                self._cool_since[model] = now   # the next step down waits a full cooldown too
+                self._cool_since[key] = now   # the next step down waits a full cooldown too
         else:
-            self._cool_since.pop(model, None)
-        self._replicas[model] = n
+            self._cool_since.pop(key, None)
+        self._replicas[key] = n
         return n
 
     def _roles(self, live: list, total_demand: float, now: float) -> dict[str, str]:

@@ -173,6 +173,25 @@ class SchedulingPolicy(ABC):
         self._next_order += 1
         self._insert_running(request)
 
+    def adopt_request(self, request: Request, num_computed_tokens: int) -> list[int] | None:
+        """Take over a request another worker prefilled (a KV handoff). It is admitted like a
+        new one (it must be WAITING with nothing computed; its output so far kept), then gets
+        blocks for the KV of its first num_computed_tokens tokens, which the caller fills,
+        and decodes on. Returns those block ids, or None when the pool has no room now: the
+        request then stays queued and its prefix is recomputed here."""
+        if not 0 < num_computed_tokens < request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: num_computed_tokens must be in "
+                             f"(0, {request.num_tokens}), got {num_computed_tokens}")
+        self.add_request(request)
+        ids = self.block_manager.allocate(self.models[request.model].kv_shape, blocks_for_tokens(num_computed_tokens))
+        if ids is None:
+            return None
+        self.waiting[request.model].remove(request)
+        request.block_ids, request.num_computed_tokens = ids, num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self._insert_running(request)
+        return ids
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -282,6 +301,8 @@ class SchedulingPolicy(ABC):
         swapped = request.status is RequestStatus.SWAPPED
         have = 0 if swapped else len(request.block_ids)
         need = blocks_for_tokens(request.num_tokens) - have
+        if need == 0 and not swapped:   # 15 of 16 decode steps: the last block has room
+            return True
         while (ids := self.block_manager.allocate(shape, need)) is None:
             victim = self._pick_victim(protected)
             if victim is None:

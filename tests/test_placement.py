@@ -50,12 +50,12 @@ def test_dead_workers_hold_nothing():
     assert PlacementPolicy().plan([ws[0]], {"a": GB}).unplaceable == {"a": "no live workers"}
 
 
-def test_hot_model_scales_out_one_worker_per_plan_and_shrinks_back_after_cooldown():
+def test_hot_model_scales_out_at_once_and_shrinks_back_one_per_cooldown():
     cfg = PlacementConfig(scale_out_load=8, scale_in_load=3, cooldown_s=10, **NO_SPLIT)
     policy = PlacementPolicy(cfg)
     ws, models = workers(4), {"hot": GB, "cold": GB}
     sizes = [len(policy.plan(ws, models, {"hot": 30}, now=t).workers_for("hot")) for t in range(5)]
-    assert sizes == [2, 3, 4, 4, 4]   # 30 in flight: one more each plan while > 8 per replica
+    assert sizes == [4, 4, 4, 4, 4]   # 30 in flight need 4 replicas of <= 8: all of them in the first plan
     assert policy.plan(ws, models, {"hot": 30}, now=5).workers_for("cold")   # still served
     # Burst over: nothing changes before the cooldown, then one step down per cooldown.
     sizes = [len(policy.plan(ws, models, {"hot": 0}, now=t).workers_for("hot")) for t in range(10, 60, 2)]
@@ -121,7 +121,7 @@ def test_rate_counts_as_demand_by_littles_law():
     cfg = PlacementConfig(request_s=4.0, scale_out_load=8, **NO_SPLIT)
     policy = PlacementPolicy(cfg)
     plan = policy.plan(workers(3), {"a": GB}, {"a": ModelLoad(rate_rps=5.0)})
-    assert plan.demand["a"] == pytest.approx(20.0) and len(plan.workers_for("a")) == 2
+    assert plan.demand["a"] == pytest.approx(20.0) and len(plan.workers_for("a")) == 3   # <= 8 each
 
 
 def test_plan_round_trips_through_a_dict():
