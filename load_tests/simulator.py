@@ -1,200 +1,304 @@
-"""Fleet-scale capacity simulator: the real scheduler code on a virtual clock.
+"""Fleet-scale simulator: the real control plane and the real per-worker policies on a virtual clock.
 
-Each simulated worker runs the same SchedulingPolicy the DeviceWorker runs (token-level,
-request-level or dedicated), with the same block accounting. Only the device is simulated:
-a step takes the time a StepLatencyEstimator fitted to measured GPU profiles predicts
-(../shared/data/profiles: prefill and decode latencies of real models on H20/H100/...), and
-a model switch costs its weight bytes over the host-to-device bandwidth, hidden when the
-switch was announced early enough to be prefetched. It answers "how many GPUs does this
-marketplace need at this SLO?" for fleets far larger than this machine.
+Every decision is made by the code the live cluster runs:
+
+    placement   scheduler.placement.PlacementPolicy: which workers hold which models, roles
+                (prefill / decode / mixed); replanned every `replan_interval_s` from the
+                load the router would report (`observed_load` over a routing.LoadTracker),
+                and applied as the PlacementService applies it (`plan_changes`)
+    routing     scheduler.routing.RoutingPolicy: `pick` for each arrival, `pick_decode` for
+                the KV handoff of a request prefilled on a prefill worker
+    workers     one SimWorker per device (load_tests/sim_worker.py): the policy registry's
+                token / request / dedicated policy over real block accounting
+
+Only the devices' time is simulated: steps, weight swap-ins and KV swaps are priced from
+the model types' profiles and the device spec (load_tests/cost_model.py, devices.py), and
+a KV handoff costs its bytes over the node's device-to-device link (the network across
+nodes) plus a fixed latency. Events (arrivals, step ends, handoffs, replans) run in time
+order; a worker that goes idle sleeps until something is added to it.
+
+The first plan is made from a demand estimate (per-model arrival rates, what a capacity
+planner is given), as if the fleet had been running; from then on placement sees only
+what the live router would.
 """
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+import itertools
+import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from load_tests.metrics import RequestRecord, Turn, summarize
+from load_tests.devices import DeviceLayout
+from load_tests.marketplace import Marketplace
+from load_tests.metrics import RequestRecord, Turn
+from load_tests.sim_worker import SimWorker
 from load_tests.workloads import Workload
-from scheduler.estimator import StepLatencyEstimator
-from scheduler.kv_blocks import BlockManager, KVShape
-from scheduler.policy_registry import make_policy
-from scheduler.request import Request
+from scheduler.placement import (ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy,
+                                 observed_load, plan_changes)
+from scheduler.policy import SchedulerConfig
+from scheduler.request import Request, RequestStatus
+from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
-GiB = 1 << 30
-NOT_EOS = 7   # every simulated token; requests run to their trace length (ignore_eos)
+logger = logging.getLogger(__name__)
+
+_ARRIVAL, _HANDOFF, _STEP, _REPLAN, _RETRY = range(5)   # order of events at the same time
+RETRY_S = 0.01          # an idle worker with unfinished requests looks again after this long
+MAX_IDLE_RETRIES = 1000  # ... at most this many times in a row (10 s) before it waits for an event
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class FleetConfig:
     num_workers: int
-    profile_dir: str                  # e.g. .../profiles/qwen2_5_7b/H20: the device and model cost
-    weight_bytes: int                 # per model (every marketplace model of this size)
-    kv_shape: KVShape                 # per model
-    policy: str = "token"             # token | request | dedicated
-    num_slots: int = 2                # models whose weights fit on a device at once
-    kv_bytes: int = 40 * GiB          # the device's KV pool
-    slab_bytes: int = 64 << 20
-    host_kv_bytes: int = 64 * GiB
-    h2d_bytes_per_s: float = 25e9     # effective PCIe bandwidth for weight swaps
+    layout: DeviceLayout
+    policy: str = "token"
+    slo: SLO = field(default_factory=lambda: SLO(ttft_s=10.0, tbt_s=0.1))
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    replan_interval_s: float = 2.0     # the PlacementService's interval; 0 = keep the first plan
+    handoff_latency_s: float = 1e-3    # per KV handoff, on top of its bytes over the link
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
-        if self.h2d_bytes_per_s <= 0 or self.weight_bytes <= 0:
-            raise ValueError("h2d_bytes_per_s and weight_bytes must be > 0")
+        if self.replan_interval_s < 0 or self.handoff_latency_s < 0:
+            raise ValueError("replan_interval_s and handoff_latency_s must be >= 0")
 
 
 @dataclass
-class _Worker:
-    name: str
-    policy: object
-    truth: StepLatencyEstimator
-    slots: OrderedDict = field(default_factory=OrderedDict)   # model -> time its weights are ready
-    clock: float = 0.0
-    turns: list[Turn] = field(default_factory=list)
+class SimResult:
+    records: list[RequestRecord]
+    turns: list[Turn]
+    plans: list[PlacementPlan]          # every plan that changed something, in order
+    stats: dict
 
-    def load(self) -> int:
-        return self.policy.num_unfinished()
 
-    def switch_wait(self, model: str, now: float, cost: float, num_slots: int) -> float:
-        """Seconds the step waits for `model`'s weights (0 when resident or prefetched in time)."""
-        if model not in self.slots:
-            self._admit(model, now + cost, num_slots)
-        self.slots.move_to_end(model)   # most recently used last
-        return max(0.0, self.slots[model] - now)
+def model_infos(market: Marketplace, workload: Workload) -> dict[str, ModelInfo]:
+    """What placement is told about each model: bytes, and step costs at the workload's
+    mean prompt and context lengths (from its type's profile fit)."""
+    n = max(1, len(workload))
+    mean_in = sum(r.input_len for r in workload) / n
+    mean_ctx = mean_in + sum(r.output_len for r in workload) / n / 2
+    infos = {}
+    for m, t in market.types.items():
+        fit = market.fits[m]
+        d1 = fit.decode_s(1, int(mean_ctx))
+        d8 = fit.decode_s(8, int(8 * mean_ctx))
+        infos[m] = ModelInfo(t.weight_bytes, t.kv_bytes_per_token, decode_step_s=d1,
+                             decode_step_per_request_s=max(0.0, (d8 - d1) / 7),
+                             prefill_s=fit.prefill_prompts_s([max(1, round(mean_in))]))
+    return infos
 
-    def prefetch(self, model: str, running: str, now: float, cost: float, num_slots: int) -> None:
-        """Start copying `model` in the background; never evicts the running model."""
-        if model in self.slots or num_slots < 2:
+
+def simulate(workload: Workload, market: Marketplace, fleet: FleetConfig,
+             demand: Mapping[str, float] | None = None) -> SimResult:
+    """Replay `workload` on the fleet; `demand` (model -> arrivals per second) seeds the first plan."""
+    return _Simulation(workload, market, fleet, demand).run()
+
+
+class _Simulation:
+    def __init__(self, workload: Workload, market: Marketplace, fleet: FleetConfig,
+                 demand: Mapping[str, float] | None):
+        unknown = sorted({r.model for r in workload} - set(market.types))
+        if unknown:
+            raise ValueError(f"workload asks for models the marketplace does not serve: {unknown[:5]}")
+        self.workload, self.market, self.fleet = workload, market, fleet
+        per_node = fleet.layout.device.devices_per_node
+        self.workers = [SimWorker(f"w{i:03d}", f"n{i // per_node}", fleet.layout, market, fleet.policy,
+                                  fleet.scheduler) for i in range(fleet.num_workers)]
+        self.by_id = {w.worker_id: w for w in self.workers}
+        self.placement = PlacementPolicy(fleet.placement)
+        self.routing = RoutingPolicy(fleet.routing)
+        self.tracker = LoadTracker()
+        self.infos = model_infos(market, workload)
+        self.slos = {m: fleet.slo for m in market.types}
+        self.demand = dict(demand or {})
+        self.plan: PlacementPlan | None = None
+        self.plans: list[PlacementPlan] = []
+        self.events: list = []
+        self._seq = itertools.count()
+        self.records: dict[str, RequestRecord] = {}
+        self.requests: dict[str, Request] = {}     # latest object of each request (a handoff makes a new one)
+        self.dispatched_to: dict[str, str] = {}
+        self.idle_retries = {w.worker_id: 0 for w in self.workers}
+        self.num_handoffs = self.num_recomputed_handoffs = self.num_steps = 0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        self._replan(0.0, {m: ModelLoad(rate_rps=r) for m, r in self.demand.items() if m in self.infos})
+        for i, tr in enumerate(self.workload):
+            self._push(tr.arrival_s, _ARRIVAL, i)
+        if self.fleet.replan_interval_s > 0:
+            self._push(self.fleet.replan_interval_s, _REPLAN, None)
+        pending_arrivals = len(self.workload)
+        while self.events:
+            now, kind, _, data = heapq.heappop(self.events)
+            if kind == _ARRIVAL:
+                pending_arrivals -= 1
+                self._arrive(now, data)
+            elif kind == _STEP:
+                self._step_done(now, self.by_id[data])
+            elif kind == _HANDOFF:
+                self._handoff_done(now, *data)
+            elif kind == _RETRY:
+                self._wake(now, self.by_id[data], retry=True)
+            elif kind == _REPLAN:
+                self._replan(now)
+                if pending_arrivals or any(w.policy.has_unfinished() for w in self.workers):
+                    self._push(now + self.fleet.replan_interval_s, _REPLAN, None)
+        return self._result(time.perf_counter() - started)
+
+    def _push(self, t: float, kind: int, data) -> None:
+        heapq.heappush(self.events, (t, kind, next(self._seq), data))
+
+    def _wake(self, now: float, worker: SimWorker, retry: bool = False) -> None:
+        if worker.step is not None:
             return
-        self._admit(model, now + cost, num_slots)
-        self.slots.move_to_end(running)
+        end = worker.start_step(now)
+        if end is not None:
+            self.idle_retries[worker.worker_id] = 0
+            self._push(end, _STEP, worker.worker_id)
+        elif worker.policy.has_unfinished() and self.idle_retries[worker.worker_id] < MAX_IDLE_RETRIES:
+            # nothing runnable now (e.g. a prefill waiting for KV room held by a handoff)
+            self.idle_retries[worker.worker_id] += 1
+            self._push(now + RETRY_S, _RETRY, worker.worker_id)
+        elif not retry:
+            self.idle_retries[worker.worker_id] = 0
 
-    def _admit(self, model: str, ready: float, num_slots: int) -> None:
-        while len(self.slots) >= num_slots:
-            self.slots.popitem(last=False)   # least recently used
-        self.slots[model] = ready
+    # -- events ---------------------------------------------------------------------------
 
-
-def simulate(workload: Workload, config: SimConfig, slo: SLO) -> tuple[list[RequestRecord], list[Turn]]:
-    """Replay `workload` on `config.num_workers` simulated devices; per-request token times out."""
-    models = workload.models
-    workers = [_make_worker(f"w{i}", models, config) for i in range(config.num_workers)]
-    switch_cost = config.weight_bytes / config.h2d_bytes_per_s
-    arrivals = sorted(workload, key=lambda r: r.arrival_s)
-    records: dict[str, RequestRecord] = {}
-    requests: dict[str, Request] = {}
-    next_arrival = 0
-    ready = [(0.0, i) for i in range(len(workers))]   # (time the worker is free, index)
-    heapq.heapify(ready)
-    home = {m: i for i, m in enumerate(models)}   # dedicated: model i on worker i, if there is one
-    while ready:
-        now, index = heapq.heappop(ready)
-        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
-            _dispatch(arrivals[next_arrival], next_arrival, workers, home, config, slo, records, requests)
-            next_arrival += 1
-        worker = workers[index]
-        output = worker.policy.schedule(now)
-        if output is None:
-            if next_arrival < len(arrivals):
-                heapq.heappush(ready, (max(now, arrivals[next_arrival].arrival_s), index))
-            elif any(w.policy.has_unfinished() for w in workers):
-                heapq.heappush(ready, (now + 1e-3, index))
-            continue
-        wait = worker.switch_wait(output.model, now, switch_cost, config.num_slots)
-        if output.prefetch_model and output.prefetch_model != output.model:
-            worker.prefetch(output.prefetch_model, output.model, now, switch_cost, config.num_slots)
-        step = _step_time(worker.truth, output)
-        end = now + wait + step
-        worker.policy.update(output, {r.request_id: NOT_EOS for r in output.requests}, end, step, wait)
-        worker.policy.set_resident(set(worker.slots))
-        worker.turns.append(Turn(worker.name, output.model, now, end))
-        heapq.heappush(ready, (end, index))
-    for request_id, request in requests.items():
-        record = records[request_id]
-        record.token_times = list(request.token_times)
-        record.first_token_time = request.first_token_time
-        record.num_output_tokens = len(request.token_times)
-        record.end = request.token_times[-1] if request.token_times else None
-    return list(records.values()), [t for w in workers for t in w.turns]
-
-
-def workers_needed(workload: Workload, config: SimConfig, slo: SLO, target: float = 0.9,
-                   max_workers: int = 256) -> int | None:
-    """Fewest workers whose strict SLO attainment reaches `target` (None if max_workers don't)."""
-    def attainment(n: int) -> float:
-        records, _ = simulate(workload, _with_workers(config, n), slo)
-        return summarize(records, slo)["attainment_strict"]
-
-    low, high = 1, 1
-    while attainment(high) < target:
-        if high >= max_workers:
-            return None
-        low, high = high + 1, min(max_workers, high * 2)
-    while low < high:   # attainment grows with workers: binary search the first that meets target
-        mid = (low + high) // 2
-        if attainment(mid) >= target:
-            high = mid
-        else:
-            low = mid + 1
-    return high
-
-
-def _make_worker(name: str, models: list[str], config: SimConfig) -> _Worker:
-    truth = StepLatencyEstimator(switch_bandwidth_bytes_s=config.h2d_bytes_per_s)
-    estimator = StepLatencyEstimator(switch_bandwidth_bytes_s=config.h2d_bytes_per_s)
-    blocks = BlockManager(config.kv_bytes // config.slab_bytes, config.slab_bytes)
-    host = BlockManager(config.host_kv_bytes // config.slab_bytes, config.slab_bytes)
-    policy = make_policy(config.policy, blocks, host, estimator)
-    for model in models:
-        for est in (truth, estimator):
-            est.register_model(model, config.weight_bytes)
-            est.seed_from_profile(model, config.profile_dir)
-        if config.policy != "dedicated":
-            policy.add_model(model, config.kv_shape, config.weight_bytes)
-    return _Worker(name, policy, truth)
-
-
-def _dispatch(trace_request, i, workers, home, config, slo, records, requests) -> None:
-    request_id = f"sim-{i}"
-    model = trace_request.model
-    records[request_id] = RequestRecord(request_id, model, trace_request.arrival_s,
-                                        num_prompt_tokens=trace_request.input_len)
-    if config.policy == "dedicated":
-        if home[model] >= len(workers):
-            records[request_id].error = f"no dedicated device for model {model!r}"
+    def _arrive(self, now: float, i: int) -> None:
+        tr = self.workload[i]
+        request_id = f"sim-{i}"
+        record = self.records[request_id] = RequestRecord(request_id, tr.model, tr.arrival_s,
+                                                          num_prompt_tokens=tr.input_len)
+        limit = self.market.types[tr.model].max_context
+        if tr.input_len + tr.output_len > limit:
+            record.error = (f"prompt + output of {tr.input_len + tr.output_len} tokens exceed the "
+                            f"{limit}-token context of {tr.model}")
             return
-        worker = workers[home[model]]
-        if model not in worker.policy.models:
-            worker.policy.add_model(model, config.kv_shape, config.weight_bytes)
-    else:
-        # token-level scaling across devices: prefer a worker with the weights, then the least loaded
-        worker = min(workers, key=lambda w: (model not in w.slots, w.load()))
-    request = Request(request_id, model, [1] * trace_request.input_len,
-                      SamplingParams(max_tokens=trace_request.output_len, ignore_eos=True), slo,
-                      arrival_time=trace_request.arrival_s)
-    try:
-        worker.policy.add_request(request)
-    except ValueError as e:
-        records[request_id].error = str(e)
-        return
-    records[request_id].worker_id = worker.name
-    requests[request_id] = request
+        try:
+            worker_id = self.routing.pick(tr.model, self._views(now, tr.model), self.fleet.slo, self.plan)
+        except NoWorkerError as e:
+            record.error = str(e)
+            return
+        worker = self.by_id[worker_id]
+        request = Request(request_id, tr.model, [1] * tr.input_len,
+                          SamplingParams(max_tokens=tr.output_len, ignore_eos=True), self.fleet.slo,
+                          arrival_time=tr.arrival_s)
+        try:
+            worker.policy.add_request(request)
+        except ValueError as e:   # e.g. longer than the whole KV pool
+            record.error = str(e)
+            return
+        record.worker_id = worker_id
+        self.requests[request_id] = request
+        self.dispatched_to[request_id] = worker_id
+        self.tracker.dispatched(worker_id, tr.model, now)
+        self._wake(now, worker)
 
+    def _step_done(self, now: float, worker: SimWorker) -> None:
+        output, finished = worker.finish_step(now)
+        self.num_steps += 1
+        for r in finished:
+            self.tracker.released(self.dispatched_to[r.request_id], r.model)
+        if output.is_prefill and worker.role == "prefill":
+            for r in output.requests:
+                if worker.policy.requests.get(r.request_id) is r and r.status is RequestStatus.RUNNING:
+                    self._hand_off(now, worker, r)
+        self._wake(now, worker)
 
-def _step_time(truth: StepLatencyEstimator, output) -> float:
-    if output.is_prefill:
-        return truth.predict_prefill(output.model, output.num_new_tokens, len(output.requests))
-    context = sum(r.num_tokens for r in output.requests)
-    return truth.predict_decode(output.model, len(output.requests), context)
+    def _hand_off(self, now: float, src: SimWorker, request: Request) -> None:
+        """After its first token a prefill worker hands the request's KV to a decode worker."""
+        try:
+            dst_id = self.routing.pick_decode(request.model, self._views(now, request.model), self.fleet.slo,
+                                              self.plan)
+        except NoWorkerError:
+            return   # no decode worker: it decodes here
+        if dst_id == src.worker_id:
+            return
+        src.policy.detach_request(request.request_id)   # its blocks stay held until the copy is done
+        dst = self.by_id[dst_id]
+        nbytes = len(request.block_ids) * self.market.types[request.model].kv_shape.block_bytes
+        device = self.fleet.layout.device
+        bandwidth = device.d2d_bytes_per_s if dst.node_id == src.node_id else device.net_bytes_per_s
+        self.num_handoffs += 1
+        self._push(now + self.fleet.handoff_latency_s + nbytes / bandwidth, _HANDOFF, (src, dst, request))
 
+    def _handoff_done(self, now: float, src: SimWorker, dst: SimWorker, request: Request) -> None:
+        shape = self.market.types[request.model].kv_shape
+        if request.model not in dst.policy.models:   # placement moved it meanwhile: decode at the source
+            src.policy.reattach_request(request)
+            self._wake(now, src)
+            return
+        copy = Request(request.request_id, request.model, request.prompt_token_ids, request.sampling_params,
+                       request.slo, request.arrival_time, output_token_ids=list(request.output_token_ids),
+                       first_token_time=request.first_token_time, token_times=list(request.token_times))
+        if dst.policy.adopt_request(copy, request.num_computed_tokens) is None:
+            self.num_recomputed_handoffs += 1   # no room there now: it recomputes its prefix
+        src.policy.block_manager.free(shape, request.block_ids)
+        request.block_ids = []
+        self.requests[request.request_id] = copy
+        self._wake(now, dst)
+        self._wake(now, src)
 
-def _with_workers(config: SimConfig, n: int) -> SimConfig:
-    from dataclasses import replace
+    # -- the control plane ------------------------------------------------------------------
 
-    return replace(config, num_workers=n)
+    def _views(self, now: float, model: str):
+        """Views of the workers the plan lets hold `model` (routing only looks at those);
+        all of them when there are none, so a NoWorkerError lists what can be served."""
+        ids = self.plan.workers_for(model) if self.plan is not None else ()
+        workers = [self.by_id[w] for w in ids if w in self.by_id] or self.workers
+        return [w.view(now) for w in workers]
+
+    def _replan(self, now: float, load: Mapping[str, ModelLoad] | None = None) -> None:
+        views = [w.view(now) for w in self.workers]
+        if load is None:
+            queued: dict[str, int] = {}
+            running: dict[str, int] = {}
+            for w in self.workers:
+                q, r = w.queue_counts()
+                for m, n in q.items():
+                    queued[m] = queued.get(m, 0) + n
+                for m, n in r.items():
+                    running[m] = running.get(m, 0) + n
+            load = observed_load(queued, running, self.tracker, now)
+        plan = self.placement.plan(views, self.infos, load, self.slos, now=now)
+        if self.plan is not None and plan.version == self.plan.version:
+            return
+        changes = plan_changes(plan, views)
+        for worker_id, model in changes.register:
+            self.by_id[worker_id].register(model)
+        for worker_id, role in changes.roles:
+            self.by_id[worker_id].role = role
+        self.plan = plan
+        self.plans.append(plan)
+        for worker_id, model in changes.unregister:
+            self.by_id[worker_id].unregister(model)
+
+    # -- results ----------------------------------------------------------------------------
+
+    def _result(self, wall_s: float) -> SimResult:
+        for request_id, request in self.requests.items():
+            record = self.records[request_id]
+            record.token_times = list(request.token_times)
+            record.first_token_time = request.first_token_time
+            record.num_output_tokens = len(request.token_times)
+            record.end = request.token_times[-1] if request.token_times else None
+            if not request.is_finished and record.error is None:
+                record.error = "not finished when the simulation ran out of events"
+        records = [self.records[f"sim-{i}"] for i in range(len(self.workload)) if f"sim-{i}" in self.records]
+        stats = {"wall_s": wall_s, "num_steps": self.num_steps, "num_plans": len(self.plans),
+                 "num_handoffs": self.num_handoffs, "num_recomputed_handoffs": self.num_recomputed_handoffs,
+                 "num_weight_swaps": sum(w.num_swaps for w in self.workers),
+                 "num_preemptions": sum(w.policy.num_preemptions for w in self.workers),
+                 "models_per_worker": {w.worker_id: len(w.registered) for w in self.workers},
+                 "roles": {w.worker_id: w.role for w in self.workers}}
+        return SimResult(records, [t for w in self.workers for t in w.turns], self.plans, stats)
+

@@ -1,0 +1,160 @@
+"""A marketplace to plan for: its models, each of a model type with real costs on a device.
+
+A model type is what the fleet pays for one model: its weight bytes (a switch copies them),
+its KV shape (what a token of context holds), its longest context, and its step-time fit
+on the planned device (load_tests/cost_model.py, from `profiles/<type>/<GPU>`). The table
+holds the three types of Aegaeon's simulator mix (60% qwen2.5-7b, 20% yi-9b, 20%
+llama2-13b; sizes from their configs, bf16); a directory written by `tokenmux profile`
+(iNbB.json files + model.json) is a type too, with its costs on the machine it was
+profiled on.
+
+`Marketplace.build(names, mix, device, profiles)` gives each served model a type:
+interleaved by popularity rank so that every part of the popularity curve gets the mix
+(rank i takes the type whose share so far lags its target most).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from load_tests.cost_model import StepCostFit, fit_profile
+from scheduler.kv_blocks import KVShape
+
+DEFAULT_MIX = "qwen2.5-7b:0.6,yi-9b:0.2,llama2-13b:0.2"   # Aegaeon's simulator mix
+DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+PROFILES_DIR = DATA_DIR / "profiles"
+
+
+@dataclass(frozen=True)
+class ModelType:
+    name: str
+    profile: str           # sub-directory of the profiles root, or a directory of its own
+    weight_bytes: int
+    kv_shape: KVShape
+    max_context: int       # prompt + output tokens it accepts
+
+    def __post_init__(self) -> None:
+        if self.weight_bytes <= 0 or self.max_context < 1:
+            raise ValueError(f"model type {self.name!r}: weight_bytes and max_context must be > 0")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_shape.block_bytes // 16
+
+    def profile_dir(self, profiles_root: str | Path, device: str) -> Path:
+        own = Path(self.profile)
+        if own.is_absolute() or (own / "model.json").is_file():
+            return own
+        path = Path(profiles_root) / self.profile / device
+        if not path.is_dir():
+            have = sorted(p.name for p in (Path(profiles_root) / self.profile).glob("*") if p.is_dir())
+            raise ValueError(f"no {device} profile of {self.name} at {path}; profiled devices: "
+                             f"{', '.join(have) or 'none'}")
+        return path
+
+    @classmethod
+    def from_profile_dir(cls, path: str | Path) -> "ModelType":
+        """A directory written by `tokenmux profile`: its model.json names the type."""
+        meta_path = Path(path) / "model.json"
+        if not meta_path.is_file():
+            raise ValueError(f"{path} is neither a known model type nor a profile directory with a model.json")
+        meta = json.loads(meta_path.read_text())
+        return cls(meta["name"], str(Path(path).resolve()), int(meta["weight_bytes"]),
+                   KVShape(*meta["kv_shape"]), int(meta["max_context"]))
+
+    def to_dict(self) -> dict:
+        s = self.kv_shape
+        return {"name": self.name, "weight_bytes": self.weight_bytes, "max_context": self.max_context,
+                "kv_shape": [s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes], "profile": self.profile}
+
+
+# Parameters x 2 bytes (bf16); KV: layers, KV heads, head dim (qwen2.5-7b and yi-9b use
+# grouped-query attention with 4 KV heads, llama2-13b has one KV head per query head).
+MODEL_TYPES: dict[str, ModelType] = {
+    "qwen2.5-7b": ModelType("qwen2.5-7b", "qwen2_5_7b", 7_615_616_512 * 2, KVShape(28, 4, 128, 2), 32768),
+    "yi-9b": ModelType("yi-9b", "yi_9b", 8_829_407_232 * 2, KVShape(48, 4, 128, 2), 4096),
+    "llama2-13b": ModelType("llama2-13b", "llama2_13b", 13_015_864_320 * 2, KVShape(40, 40, 128, 2), 4096),
+    "yi-1.5-9b-chat": ModelType("yi-1.5-9b-chat", "yi1_5_9b_chat", 8_829_407_232 * 2, KVShape(48, 4, 128, 2), 4096),
+    "llama2-13b-chat": ModelType("llama2-13b-chat", "llama2_13b_chat", 13_015_864_320 * 2,
+                                 KVShape(40, 40, 128, 2), 4096),
+}
+
+
+def model_type(name_or_dir: str) -> ModelType:
+    if name_or_dir in MODEL_TYPES:
+        return MODEL_TYPES[name_or_dir]
+    if Path(name_or_dir).is_dir():
+        return ModelType.from_profile_dir(name_or_dir)
+    raise ValueError(f"unknown model type {name_or_dir!r}; known: {', '.join(MODEL_TYPES)} "
+                     f"(or a directory written by `tokenmux profile`)")
+
+
+def parse_mix(text: str) -> list[tuple[ModelType, float]]:
+    """'qwen2.5-7b:0.6,yi-9b:0.2,DIR' -> [(type, share)], shares normalised (1 where omitted)."""
+    entries = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, share = part.rpartition(":")
+        if not sep or not _is_number(share):
+            name, share = part, "1"
+        if not float(share) > 0:
+            raise ValueError(f"--model-mix share of {name!r} must be > 0, got {share}")
+        entries.append((model_type(name), float(share)))
+    if not entries:
+        raise ValueError("--model-mix is empty")
+    names = [t.name for t, _ in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--model-mix names a type twice: {names}")
+    total = sum(s for _, s in entries)
+    return [(t, s / total) for t, s in entries]
+
+
+def assign_types(models: Sequence[str], mix: Sequence[tuple[ModelType, float]]) -> dict[str, ModelType]:
+    """Model (most popular first) -> type, interleaved so every rank band gets the mix."""
+    counts = [0] * len(mix)
+    out = {}
+    for i, model in enumerate(models):
+        k = max(range(len(mix)), key=lambda j: (mix[j][1] * (i + 1) - counts[j], -j))
+        counts[k] += 1
+        out[model] = mix[k][0]
+    return out
+
+
+@dataclass(frozen=True)
+class Marketplace:
+    """Served models, their types, and each type's step-cost fit on the planned device."""
+
+    types: Mapping[str, ModelType]                  # model -> type
+    fits: Mapping[str, StepCostFit] = field(repr=False)   # model -> its type's fit (shared objects)
+
+    @classmethod
+    def build(cls, models: Sequence[str], mix: Sequence[tuple[ModelType, float]], device: str,
+              profiles_root: str | Path = PROFILES_DIR) -> "Marketplace":
+        types = assign_types(models, mix)
+        by_type = {t.name: fit_profile(t.profile_dir(profiles_root, device)) for t, _ in mix}
+        return cls(types, {m: by_type[t.name] for m, t in types.items()})
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.types)
+
+    def largest_weight_bytes(self) -> int:
+        return max(t.weight_bytes for t in self.types.values())
+
+    def type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.types.values():
+            counts[t.name] = counts.get(t.name, 0) + 1
+        return counts
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
