@@ -118,13 +118,42 @@ def _loadtest(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ---- plan / profile -------------------------------------------------------------------
+
+
+def _plan_parser(parser: argparse.ArgumentParser) -> None:
+    from load_tests.plan_cli import add_arguments   # stdlib-only at import; the simulator loads in run
+
+    add_arguments(parser)
+    parser.set_defaults(run=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from load_tests.plan_cli import run
+
+    return run(args)
+
+
+def _profile_parser(parser: argparse.ArgumentParser) -> None:
+    from load_tests.profiler import add_arguments   # stdlib-only at import; torch loads in run
+
+    add_arguments(parser)
+    parser.set_defaults(run=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from load_tests.profiler import run
+
+    return run(args)
+
+
 # ---- bench ----------------------------------------------------------------------------
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,sim}", required=True)
     engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
@@ -135,10 +164,21 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--iters", type=int, default=40, help="measured iterations per figure (default 40)")
     cluster.add_argument("--threads", type=int, default=1, help="torch threads per actor (default 1)")
     cluster.set_defaults(run=_bench_cluster)
+    sim = sub.add_parser("sim", help="fleet simulator speed: one trace on one fleet size (prints JSON)")
+    from load_tests.bench.sim_bench import add_arguments as add_sim_arguments   # stdlib-only at import
+
+    add_sim_arguments(sim)
+    sim.set_defaults(run=_bench_sim)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from load_tests.bench.engine_bench import run
+
+    return run(args)
+
+
+def _bench_sim(args: argparse.Namespace) -> int:
+    from load_tests.bench.sim_bench import run
 
     return run(args)
 
@@ -182,6 +222,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "bench": ("benchmarks (engine)", _bench_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
     "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),
+    "plan": ("how many GPUs a marketplace needs per policy: the fleet simulator over GPU counts", _plan_parser),
+    "profile": ("profile a model's step times on this machine into iNbB.json profiles for `plan`",
+                _profile_parser),
 }
 
 
