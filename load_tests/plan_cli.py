@@ -173,23 +173,43 @@ def _workload(args):
     from load_tests import workloads as w
     from load_tests.traces import read_trace
 
-    if args.trace:
-        workload = read_trace(args.trace, speedup=args.speedup, start_s=args.start, end_s=args.end,
-                              max_requests=args.max_requests)
-        names = workload.models   # most requested first
-        return workload, names, Path(args.trace).name
-    if args.models < 1 or not args.rate > 0 or not args.duration > 0:
-        raise ValueError("--models, --rate and --duration must be > 0")
+    if args.models < 1:
+        raise ValueError(f"--models must be >= 1, got {args.models}")
     names = [f"model-{i:03d}" for i in range(args.models)]
-    arrivals = w.Poisson(args.rate) if args.arrival == "poisson" else w.Gamma(args.rate, args.cv)
     popularity = {"longtail": w.LongTail, "uniform": w.Uniform,
                   "zipf": lambda: w.Zipf(args.zipf_alpha)}[args.popularity]()
+    if args.trace:
+        # A trace without a model column (Azure 2023) draws each request's model from
+        # --popularity over --models names; the others keep their own models.
+        assign = _has_no_model_column(args.trace)
+        workload = read_trace(args.trace, deployed=names if assign else None,
+                              popularity=popularity if assign and args.models > 1 else None, seed=args.seed,
+                              speedup=args.speedup, start_s=args.start, end_s=args.end,
+                              max_requests=args.max_requests)
+        return workload, (names if assign else workload.models), Path(args.trace).name   # most requested first
+    if not args.rate > 0 or not args.duration > 0:
+        raise ValueError("--rate and --duration must be > 0")
+    arrivals = w.Poisson(args.rate) if args.arrival == "poisson" else w.Gamma(args.rate, args.cv)
     from load_tests.runner import AZURE_CONV
 
     lengths = (w.EmpiricalLengths.from_azure(AZURE_CONV, max_input=4000, max_output=2000)
                if AZURE_CONV.is_file() else w.LogNormalLengths(input_median=700, output_median=250))
     workload = w.generate(arrivals, popularity, names, lengths, seed=args.seed, duration_s=args.duration)
     return workload, names, f"synthetic {args.popularity} x{args.models} at {args.rate:g} req/s"
+
+
+def _has_no_model_column(path: str) -> bool:
+    import csv
+
+    from load_tests.traces import detect_schema
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), None)
+    if header is None:
+        raise ValueError(f"trace {path} is empty")
+    return detect_schema(header) == "azure"   # the one schema without a model column
 
 
 class _progress_bar:

@@ -110,13 +110,19 @@ def quota_for_device(market: Marketplace, layout: DeviceLayout) -> float:
     return round(AEGAEON_QUOTA_S * mean_switch / AEGAEON_SWITCH_S, 3)
 
 
-def evaluate(spec: PlanSpec, policy: str, gpus: int) -> Point:
+def evaluate(spec: PlanSpec, policy: str, gpus: int, stop_early: bool = True) -> Point:
+    """One GPU count. With `stop_early`, under the strict and goodput measures, the run stops
+    once more requests have missed their TTFT than the target allows (the count fails either
+    way; its attainment is then a lower estimate, flagged `stopped_early`)."""
     started = time.perf_counter()
-    result = simulate(spec.workload, spec.market, spec.fleet(policy, gpus), spec.demand)
+    give_up = None if spec.metric == "cumulative" or not stop_early else int(
+        (1 - spec.target) * len(spec.workload))
+    result = simulate(spec.workload, spec.market, spec.fleet(policy, gpus), spec.demand, give_up)
     summary = summarize(result.records, spec.slo, turns=None)
     metrics = {name: summary.get(key) for name, key in METRICS.items()}
     metrics |= {"ttft_p99_s": summary["ttft_p99_s"], "tbt_p99_s": summary["tbt_p99_s"],
-                "num_errors": summary["num_errors"]}
+                "num_errors": summary["num_errors"],
+                "stopped_early": result.stats["stopped_early_at_s"] is not None}
     value = metrics[spec.metric]
     if value is None:
         raise ValueError(f"metrics.summarize gives no {METRICS[spec.metric]!r}")
@@ -125,9 +131,9 @@ def evaluate(spec: PlanSpec, policy: str, gpus: int) -> Point:
 
 def search(spec: PlanSpec, policy: str, max_gpus: int, mode: str = "bisect",
            on_point: Callable[[str, Point], None] | None = None, only: int | None = None,
-           evaluate_fn: Callable[[PlanSpec, str, int], Point] = evaluate) -> PolicyPlan:
-    """Fewest GPUs for `policy` (see the module docstring); `only` evaluates that count alone.
-    `evaluate_fn(spec, policy, n)` measures one count (the simulator, unless given)."""
+           evaluate_fn: Callable[..., Point] = evaluate) -> PolicyPlan:
+    """Fewest GPUs for `policy` (see the module docstring); `only` evaluates that count alone,
+    in full. `evaluate_fn(spec, policy, n, stop_early)` measures one count (the simulator)."""
     if mode not in ("bisect", "scan"):
         raise ValueError(f"search must be bisect or scan, got {mode!r}")
     low = len(spec.market.types) if policy == "dedicated" else 1
@@ -142,10 +148,13 @@ def search(spec: PlanSpec, policy: str, max_gpus: int, mode: str = "bisect",
                 on_point(policy, points[n])
         return points[n].attainment >= spec.target
 
-    if only is not None:
+    if only is not None:   # one count, measured in full (its attainment is the answer asked for)
         if policy == "dedicated" and only < low:
             logger.warning("dedicated needs one device per model (%d); %d given", low, only)
-        return PolicyPlan(policy, only if meets(only) else None, points)
+        points[only] = evaluate_fn(spec, policy, only, stop_early=False)
+        if on_point:
+            on_point(policy, points[only])
+        return PolicyPlan(policy, only if points[only].attainment >= spec.target else None, points)
     if low > max_gpus:
         return PolicyPlan(policy, None, points)
 

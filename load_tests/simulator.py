@@ -20,6 +20,11 @@ order; a worker that goes idle sleeps until something is added to it.
 The first plan is made from a demand estimate (per-model arrival rates, what a capacity
 planner is given), as if the fleet had been running; from then on placement sees only
 what the live router would.
+
+`give_up_after` ends a run early once that many requests have certainly missed their SLO
+(no first token by arrival + TTFT SLO: a miss by the strict and the goodput measures):
+an overloaded fleet's answer is known long before its backlog drains. Requests left then
+are recorded as errors, so the attainment reported is a lower estimate (flagged in stats).
 """
 from __future__ import annotations
 
@@ -95,14 +100,14 @@ def model_infos(market: Marketplace, workload: Workload) -> dict[str, ModelInfo]
 
 
 def simulate(workload: Workload, market: Marketplace, fleet: FleetConfig,
-             demand: Mapping[str, float] | None = None) -> SimResult:
+             demand: Mapping[str, float] | None = None, give_up_after: int | None = None) -> SimResult:
     """Replay `workload` on the fleet; `demand` (model -> arrivals per second) seeds the first plan."""
-    return _Simulation(workload, market, fleet, demand).run()
+    return _Simulation(workload, market, fleet, demand, give_up_after).run()
 
 
 class _Simulation:
     def __init__(self, workload: Workload, market: Marketplace, fleet: FleetConfig,
-                 demand: Mapping[str, float] | None):
+                 demand: Mapping[str, float] | None, give_up_after: int | None = None):
         unknown = sorted({r.model for r in workload} - set(market.types))
         if unknown:
             raise ValueError(f"workload asks for models the marketplace does not serve: {unknown[:5]}")
@@ -126,6 +131,10 @@ class _Simulation:
         self.dispatched_to: dict[str, str] = {}
         self.idle_retries = {w.worker_id: 0 for w in self.workers}
         self.num_handoffs = self.num_recomputed_handoffs = self.num_steps = 0
+        self.give_up_after = give_up_after
+        self.ttft_due: list[tuple[float, str]] = []   # (arrival + TTFT SLO, request id), a heap
+        self.num_certain_misses = 0
+        self.stopped_at: float | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -139,6 +148,9 @@ class _Simulation:
         pending_arrivals = len(self.workload)
         while self.events:
             now, kind, _, data = heapq.heappop(self.events)
+            if self.give_up_after is not None and self._gave_up(now):
+                self.stopped_at = now
+                break
             if kind == _ARRIVAL:
                 pending_arrivals -= 1
                 self._arrive(now, data)
@@ -153,6 +165,14 @@ class _Simulation:
                 if pending_arrivals or any(w.policy.has_unfinished() for w in self.workers):
                     self._push(now + self.fleet.replan_interval_s, _REPLAN, None)
         return self._result(time.perf_counter() - started)
+
+    def _gave_up(self, now: float) -> bool:
+        due = self.ttft_due
+        while due and due[0][0] < now:
+            _, request_id = heapq.heappop(due)
+            if self.requests[request_id].first_token_time is None:
+                self.num_certain_misses += 1
+        return self.num_certain_misses > self.give_up_after
 
     def _push(self, t: float, kind: int, data) -> None:
         heapq.heappush(self.events, (t, kind, next(self._seq), data))
@@ -201,6 +221,8 @@ class _Simulation:
         self.requests[request_id] = request
         self.dispatched_to[request_id] = worker_id
         self.tracker.dispatched(worker_id, tr.model, now)
+        if self.give_up_after is not None:
+            heapq.heappush(self.ttft_due, (tr.arrival_s + self.fleet.slo.ttft_s, request_id))
         self._wake(now, worker)
 
     def _step_done(self, now: float, worker: SimWorker) -> None:
@@ -292,9 +314,16 @@ class _Simulation:
             record.num_output_tokens = len(request.token_times)
             record.end = request.token_times[-1] if request.token_times else None
             if not request.is_finished and record.error is None:
-                record.error = "not finished when the simulation ran out of events"
-        records = [self.records[f"sim-{i}"] for i in range(len(self.workload)) if f"sim-{i}" in self.records]
+                record.error = ("not finished: the run stopped once the SLO target was out of reach"
+                                if self.stopped_at is not None else
+                                "not finished when the simulation ran out of events")
+        for i in range(len(self.records), len(self.workload)):   # arrivals a stopped run never reached
+            tr = self.workload[i]
+            self.records[f"sim-{i}"] = RequestRecord(f"sim-{i}", tr.model, tr.arrival_s, num_prompt_tokens=tr.input_len,
+                                                     error="not run: the run stopped before it arrived")
+        records = [self.records[f"sim-{i}"] for i in range(len(self.workload))]
         stats = {"wall_s": wall_s, "num_steps": self.num_steps, "num_plans": len(self.plans),
+                 "stopped_early_at_s": self.stopped_at, "num_certain_misses": self.num_certain_misses,
                  "num_handoffs": self.num_handoffs, "num_recomputed_handoffs": self.num_recomputed_handoffs,
                  "num_weight_swaps": sum(w.num_swaps for w in self.workers),
                  "num_preemptions": sum(w.policy.num_preemptions for w in self.workers),

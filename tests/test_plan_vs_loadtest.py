@@ -1,0 +1,74 @@
+"""`tokenmux plan` against a real run: the same trace through the simulator and through
+`tokenmux loadtest` (real DeviceWorkers on this machine) agree within 10 points of attainment.
+
+The device cost is this machine, measured in the same test by `tokenmux profile` (one
+worker's share of the cores), and the SLO is the one the load test derives from the step
+times it measures, so both sides judge by the same clock on the same machine. One worker,
+three copies of a small zoo model, two weight slots: token-level switches models,
+request-level makes the other models wait, dedicated serves one model and refuses the
+rest. The load is moderate on purpose: this shared machine's speed drifts by up to 2x
+between a profile and a run when other jobs start, and at a load near saturation that
+alone moves attainment by more than 10 points (measured: the same real run gave 0.83 and
+1.00). Bounded: 32 requests over ~30 s per contender.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deploy.cli.main import build_parser
+from load_tests import plan_cli, profiler, runner
+
+MODEL = "llama-10m"
+NUM_REQUESTS = 32
+POLICIES = ("token", "request", "dedicated")
+
+
+def write_trace(path, rate: float, n: int, num_models: int, seed: int = 0) -> str:
+    """An Aegaeon-format trace: Poisson arrivals, short prompts and outputs for a small model."""
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1 / rate, n))
+    lines = ["Request Time,Model Name,Input Length,Output Length"]
+    for t in times:
+        minutes, seconds = divmod(float(t), 60)
+        lines.append(f"00:{int(minutes):02d}:{seconds:06.3f},m{rng.integers(num_models)},"
+                     f"{rng.integers(16, 96)},{rng.integers(16, 80)}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_plan_and_loadtest_of_the_same_trace_agree_within_ten_points(ray_session, zoo_model, tmp_path):
+    checkpoint = zoo_model(MODEL)
+    parser = build_parser()
+    profile_dir = tmp_path / "profile"
+    assert profiler.run(parser.parse_args([
+        "profile", "--model", str(checkpoint), "--out", str(profile_dir), "--threads", "1",
+        "--inputs", "16,32,64,128", "--batches", "1,2,4,8", "--repeats", "2"])) == 0
+    trace = write_trace(tmp_path / "trace.csv", rate=1.0, n=NUM_REQUESTS, num_models=3)
+
+    measured = tmp_path / "loadtest.json"
+    assert runner.run(parser.parse_args([
+        "loadtest", "--trace", trace, "--contenders", ",".join(POLICIES), "--workers", "1", "--models", "3",
+        "--checkpoint", MODEL, "--slots", "2", "--kv-mb", "64", "--threads-per-worker", "1",
+        "--max-requests", str(NUM_REQUESTS), "--request-timeout", "60", "--json", str(measured)])) == 0
+    real = json.loads(measured.read_text())
+
+    planned = tmp_path / "plan.json"
+    assert plan_cli.run(parser.parse_args([
+        "plan", "--trace", trace, "--gpu", str(profile_dir / "device.json"), "--model-mix", str(profile_dir),
+        "--slots", "2", "--kv-gb", str(64 / 1024), "--reserve-frac", "0", "--slab-mb", "4",
+        "--host-kv-gb", str(128 / 1024), "--slo-ttft", str(real["slo"]["ttft_s"]),
+        "--slo-tpot", str(real["slo"]["tbt_s"]), "--policies", ",".join(POLICIES), "--gpus", "1",
+        "--quota-max", "4", "--no-progress", "--json", str(planned)])) == 0
+    sim = json.loads(planned.read_text())
+
+    for policy in POLICIES:
+        assert real[policy]["num_requests"] == NUM_REQUESTS == sim["workload"]["num_requests"]
+        got, want = sim["policies"][policy]["attainment"], real[policy]["attainment_strict"]
+        assert abs(got - want) <= 0.10, (policy, {"plan": got, "loadtest": want, "slo": real["slo"]})
+    # Not trivially equal: dedicated leaves two of three models unserved, on both sides.
+    for side in (real["dedicated"]["attainment_strict"], sim["policies"]["dedicated"]["attainment"]):
+        assert side < real["token"]["attainment_strict"] - 0.3
