@@ -170,6 +170,21 @@ def _shutdown_parser(parser: argparse.ArgumentParser) -> None:
     configure_shutdown(parser)
 
 
+# ---- metrics / dashboard (deploy/cli/observe.py) ----------------------------------------
+
+
+def _metrics_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli.observe import configure_metrics
+
+    configure_metrics(parser)
+
+
+def _dashboard_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli.observe import configure_dashboard
+
+    configure_dashboard(parser)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
@@ -180,6 +195,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
     "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
     "bench": ("benchmarks (engine)", _bench_parser),
+    "metrics": ("Prometheus scrape config over Ray's service discovery; the metric names", _metrics_parser),
+    "dashboard": ("build the Grafana dashboards, or push them to a Grafana", _dashboard_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
     "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),
 }
