@@ -165,3 +165,18 @@ def test_every_dashboard_panel_query_returns_data(observed):
     missing = _wait_for(server, [e for _, _, e in queries])
     assert missing == [], "panels without data: " + "; ".join(
         f"{f} / {t}: {e}" for f, t, e in queries if e in missing)
+
+
+def test_status_watch_shows_each_worker_live(observed):
+    import io
+
+    from rich.console import Console
+
+    from deploy.cli.status_watch import watch
+
+    buf = io.StringIO()
+    assert watch(interval_s=0.5, iterations=2, console=Console(file=buf, width=220, force_terminal=False)) == 0
+    text = buf.getvalue()
+    for column in ("RESIDENT", "TOKENS/S", "ALPHA", "SWAPS/S", "DEVICE MEMORY"):
+        assert column in text
+    assert text.count("(virtual)") >= 2 and any(m in text for m in SERVED)
