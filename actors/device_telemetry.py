@@ -116,7 +116,7 @@ def device_sampler(device: str, label: str, budget_bytes: int, num_threads: int 
     """NvmlSampler for a CUDA device (None if NVML cannot open it), else a ProcessSampler."""
     if device.startswith("cuda"):
         try:
-            return NvmlSampler(uuid=_cuda_uuid(device))
+            return NvmlSampler(uuid=cuda_uuid(device))
         except Exception as exc:   # no driver library, a sandbox without NVML: no device telemetry
             logger.warning("device telemetry: NVML unavailable for %s (%s)", device, exc)
             return None
@@ -125,7 +125,7 @@ def device_sampler(device: str, label: str, budget_bytes: int, num_threads: int 
     return ProcessSampler(label, budget_bytes, num_threads or torch.get_num_threads())
 
 
-def _cuda_uuid(device: str) -> str | None:
+def cuda_uuid(device: str) -> str | None:
     """NVML's UUID string of the CUDA device this process calls `device`."""
     import torch
 
