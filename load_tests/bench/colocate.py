@@ -60,6 +60,10 @@ def _child(names: list[str], path: str, specs: list[dict], options: dict, ready,
         with bench_host_cache() as cache:
             engine = engine_for({n: Path(path) for n in names}, num_slots=options["slots"] or len(names),
                                 tokens_per_model=tokens + 16, device=device, dtype=options["dtype"], host_cache=cache)
+            if options.get("quota_steps"):   # decode steps per turn when every model is resident
+                import dataclasses
+
+                engine.policy.config = dataclasses.replace(engine.policy.config, min_quota_steps=options["quota_steps"])
             # warm up at the first turn's prompt length (first calls of a shape are slow on a CPU)
             first = [[9] * (agents[0].spec.system_tokens + agents[0].spec.user_tokens)]
             run_to_completion(engine, [r for n in names for r in greedy_requests(n, first, 4, "warm")])
@@ -103,7 +107,8 @@ def run_arrangement(arrangement: str, n: int, path: Path, args) -> dict:
                   user_tokens=args.user_tokens, think_s=args.think_s) for i, name in enumerate(names)]
     groups = [(names, specs)] if arrangement == "tokenmux" else [([nm], [sp]) for nm, sp in zip(names, specs)]
     options = {"device": args.device, "dtype": args.dtype, "threads": args.threads,
-               "slots": args.tokenmux_slots if arrangement == "tokenmux" else 1}
+               "slots": args.tokenmux_slots if arrangement == "tokenmux" else 1,
+               "quota_steps": args.quota_steps if arrangement == "tokenmux" else None}
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_child, args=(g_names, str(path), g_specs, options, ready, go, out), daemon=True)
@@ -148,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("turns", "new_tokens", "user_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.think_s < 0 or (args.tokenmux_slots is not None and args.tokenmux_slots < 1):
-        raise ValueError("--think-s must be >= 0 and --tokenmux-slots >= 1")
+    if args.think_s < 0 or any(v is not None and v < 1 for v in (args.tokenmux_slots, args.quota_steps)):
+        raise ValueError("--think-s must be >= 0, --tokenmux-slots and --quota-steps >= 1")
     if args.shape:   # a random-weight checkpoint of a real model shape (the GPU run: 7B-shaped agents)
         import shutil
 
@@ -298,6 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-s", type=float, default=0.1, help="think time between turns, seconds")
     parser.add_argument("--tokenmux-slots", type=int, help="weight slots of tokenmux's engine (default: one per "
                         "agent, the memory the time-sliced engines hold together)")
+    parser.add_argument("--quota-steps", type=int, help="tokenmux's decode steps per turn when every model is "
+                        "resident (SchedulerConfig.min_quota_steps; default: the scheduler's, 4)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every arrangement (medians reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results here")

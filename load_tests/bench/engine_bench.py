@@ -266,7 +266,7 @@ def format_table(r: dict) -> str:
     rows = ["swap_s", "memcpy_limit_s", "swap_vs_memcpy", "cold_load_s", "cold_load_warm_s", "cold_load_evicted_s",
             "swap_vs_cold_reduction", "decode_tps", "hf_generate_tps", "decode_vs_hf", "decode_only_tps",
             "hf_decode_only_tps", "scheduler_overhead_frac", "scheduler_overhead_frac_model",
-            "scheduler_overhead_frac_model_swapping", "metrics_overhead_frac", "metrics_wall_overhead_frac",
+            "scheduler_overhead_frac_model_swapping", "metrics_overhead_frac", "metrics_cpu_overhead_frac",
             "metrics_step_overhead_frac",
             "metrics_record_frac", "metrics_flush_frac"]
     floors = r.get("floors", {})

@@ -24,7 +24,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-models", type=int, default=8, help="models active at once")
     parser.add_argument("--overhead-requests", type=int, default=4, help="requests per model")
     parser.add_argument("--overhead-tokens", type=int, default=32, help="tokens per request")
-    parser.add_argument("--metrics-pairs", type=int, default=7, help="alternating on/off runs of the metrics section")
+    parser.add_argument("--metrics-pairs", type=int, default=15,
+                        help="alternating on/off windows (2 s each) of the metrics section")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--shapes", default="",
