@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from actors.device_memory import DeviceMemory, format_bytes
+from actors.engine_metrics import EngineRecorder
 from actors.host_cache import HostWeightCache
 from actors.kv_pool import DeviceKVPool, HostKVPool, copy_blocks
 from actors.model_runner import ModelRunner, SeqChunk
@@ -101,6 +102,7 @@ class Engine:
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
         self.held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
+        self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
 
     # -- models ---------------------------------------------------------------------------
 
@@ -198,6 +200,7 @@ class Engine:
         finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s)
         self.policy.set_resident(self.slots.resident())
         frames = self._emit(output, finished)
+        self.metrics.on_step(output, switch_s, start)
         self._account(output, start, run_start, run_s)
         return frames
 

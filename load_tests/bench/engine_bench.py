@@ -28,6 +28,7 @@ FLOORS = {
     "swap_vs_cold_reduction": (">=", 0.97),
     "decode_vs_hf": (">=", 1.0),
     "scheduler_overhead_frac": ("<=", 0.05),
+    "metrics_overhead_frac": ("<=", 0.01),
 }
 
 
@@ -104,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
             run.save()
         if "overhead" in sections:
             _overheads(run, path, args, device, cache, zoo, names[:args.overhead_models])
+        if "metrics" in sections and run.allowed("metrics"):
+            r.update(_metrics_overhead(args, device, cache, zoo))
+            run.save()
     for shape in shapes:
         r.setdefault("shapes", {})[shape] = _shape(run, shape, args, device, sections)
         run.save()
@@ -148,6 +152,22 @@ def _overhead(paths: dict, args, device, cache, num_slots: int) -> dict:
         return measure_overhead(paths, device=device, dtype=args.dtype, num_slots=num_slots,
                                 requests_per_model=args.overhead_requests, new_tokens=args.overhead_tokens,
                                 prompt_tokens=args.prompt_tokens, host_cache=cache)
+    finally:
+        _free(device)
+
+
+def _metrics_overhead(args, device, cache, zoo) -> dict:
+    import importlib.util
+
+    from load_tests.bench.metrics_overhead import measure_metrics_overhead
+
+    if importlib.util.find_spec("ray") is None:   # the bare GPU check machine may lack it
+        return {"metrics_skipped": "ray is not installed: metrics are exported through ray.util.metrics"}
+    try:   # the tiny models: the shortest steps, so recording weighs the most there
+        return measure_metrics_overhead({m: zoo.ensure_model(m) for m in zoo.TINY_MODELS[:args.overhead_models]},
+                                        device=device, dtype=args.dtype, num_slots=args.overhead_models + 1,
+                                        requests_per_model=args.overhead_requests, new_tokens=4 * args.overhead_tokens,
+                                        prompt_tokens=args.prompt_tokens, host_cache=cache, pairs=args.metrics_pairs)
     finally:
         _free(device)
 
@@ -246,7 +266,9 @@ def format_table(r: dict) -> str:
     rows = ["swap_s", "memcpy_limit_s", "swap_vs_memcpy", "cold_load_s", "cold_load_warm_s", "cold_load_evicted_s",
             "swap_vs_cold_reduction", "decode_tps", "hf_generate_tps", "decode_vs_hf", "decode_only_tps",
             "hf_decode_only_tps", "scheduler_overhead_frac", "scheduler_overhead_frac_model",
-            "scheduler_overhead_frac_model_swapping"]
+            "scheduler_overhead_frac_model_swapping", "metrics_overhead_frac", "metrics_cpu_overhead_frac",
+            "metrics_step_overhead_frac",
+            "metrics_record_frac", "metrics_flush_frac"]
     floors = r.get("floors", {})
     for key in rows:
         if key in r:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SECTIONS = ("swap", "cold", "decode", "overhead")
+SECTIONS = ("swap", "cold", "decode", "overhead", "metrics")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -24,6 +24,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-models", type=int, default=8, help="models active at once")
     parser.add_argument("--overhead-requests", type=int, default=4, help="requests per model")
     parser.add_argument("--overhead-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--metrics-pairs", type=int, default=15,
+                        help="alternating on/off windows (2 s each) of the metrics section")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--shapes", default="",
@@ -39,7 +41,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Validate the numbers; returns the selected sections. Bad input -> ValueError."""
     for name in ("repeats", "swap_repeats", "cold_repeats", "batch", "new_tokens", "prompt_tokens",
                  "overhead_models", "overhead_requests", "overhead_tokens", "shape_repeats",
-                 "shape_overhead_models"):
+                 "shape_overhead_models", "metrics_pairs"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

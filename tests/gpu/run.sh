@@ -4,7 +4,9 @@
 #   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
 #      package, e.g. ray, is reported and skipped, not counted as a failure);
 #   3. the CUDA IPC KV handoff micro-benchmark (tests/gpu/test_cupy_ipc.py --bench);
-#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs).
+#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs),
+#      with its metrics-overhead section;
+#   5. the colocate benchmark on 7B-shaped models (`tokenmux bench colocate`; full mode only).
 # Uses the python that already holds torch ($PYTHON, default python3); installs nothing.
 # Results go to $OUT (or /tmp/tokenmux-gpu-check). Exit status: non-zero if a test failed.
 set -uo pipefail
@@ -95,5 +97,23 @@ if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_avail
     fi
 else
     echo "skipped: CUDA, transformers or safetensors missing"
+fi
+echo "== colocate benchmark (7B-shaped agents: time-sliced processes vs one tokenmux engine)"
+# Each agent's model is a random-weight qwen2.5-7b (bf16, ~15 GB): 1, 2 and 4 agents (8 would need
+# ~120 GB of host cache on top of the device). ~4 minutes; skipped in quick mode.
+if [ "$QUICK" = 1 ]; then
+    echo "skipped: quick mode"
+elif "$PY" -c "import torch, psutil; assert torch.cuda.is_available()" 2>/dev/null; then
+    timeout 300 "$PY" -m load_tests.bench.colocate -v --device cuda --dtype bfloat16 --shape qwen2.5-7b \
+        --agents 1,2,4 --repeats 1 --turns 3 --new-tokens 48 --json "$RESULTS/bench-colocate.json" \
+        --plot "$RESULTS/colocate-gpu.png" 2>&1 | tee "$RESULTS/bench-colocate.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ]; then
+        echo "colocate bench: timed out (partial results in bench-colocate.json)"
+    elif [ "$rc" -ne 0 ]; then
+        echo "colocate bench failed"; status=1
+    fi
+else
+    echo "skipped: CUDA or psutil missing"
 fi
 exit $status
