@@ -85,7 +85,8 @@ class WeightSlots:
         self.layouts[model] = layout
 
     def resident(self) -> set[str]:
-        self._settle()
+        if self._inflight:
+            self._settle()
         return set(self._lru)
 
     def ensure_resident(self, model: str) -> float:
