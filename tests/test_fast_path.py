@@ -188,3 +188,34 @@ def test_engine_on_the_fast_path_swaps_packed_weights_and_keeps_its_tokens(monke
     for n in names:
         alone = run([n], num_slots=1)
         assert {k: v for k, v in together.items() if k.startswith(n)} == alone
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 oneDNN kernels")
+def test_opt_in_bf16_fast_path_runs_packed_and_stays_close(monkeypatch, prefix):
+    monkeypatch.setattr(layer_kernels, "PACK_MIN_ELEMENTS", 0)
+    path = ensure_model("mistral-tiny-b")
+    spec = ModelSpec.from_dir(path)
+    layout = KernelPath("fast", "cpu").weight_layout(path, torch.bfloat16)
+    assert all(e.dtype == torch.bfloat16 for e in layout.entries) and any(e.packed for e in layout.entries)
+    mem = DeviceMemory(4096 + layout.total_bytes + 4096, 4096, 1)
+    slots = WeightSlots(mem, HostWeightCache(prefix=prefix), {"m": layout})
+    slots.ensure_resident("m")
+    _, ref_params, _ = _params(path, "reference", prefix + "-r")
+    prompts = [list(range(10, 10 + n)) for n in PROMPT_LENGTHS]
+    chunks = [SeqChunk(p, 0, list(range(i * 8, i * 8 + 8))) for i, p in enumerate(prompts)]
+    kv16 = _kv(spec).to(torch.bfloat16)
+    fast = ModelRunner(spec, "cpu", kernels="fast").forward(slots.params("m"), chunks, kv16)
+    ref = ModelRunner(spec, "cpu").forward(ref_params, chunks, _kv(spec))
+    assert torch.isfinite(fast).all()
+    assert (fast - ref).abs().max() / ref.abs().max() < 0.05      # bf16: ~3 significant digits
+    assert (fast.argmax(-1) == ref.argmax(-1)).sum() >= len(prompts) - 1
+
+
+def test_bf16_fast_path_is_refused_where_the_cpu_lacks_it(monkeypatch):
+    from actors import kernel_path
+
+    monkeypatch.setattr(kernel_path, "cpu_features", lambda: {"onednn": True, "onednn_bf16": False,
+                                                              "torch_capability": "AVX2"})
+    with pytest.raises(ValueError, match="AVX512-BF16 or AMX"):
+        KernelPath("fast", "cpu").packs(torch.bfloat16)
+    assert KernelPath("reference", "cpu").packs(torch.bfloat16) is False
