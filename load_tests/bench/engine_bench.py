@@ -189,7 +189,8 @@ def _metrics_overhead(args, device, cache, zoo) -> dict:
         return measure_metrics_overhead({m: zoo.ensure_model(m) for m in zoo.TINY_MODELS[:args.overhead_models]},
                                         device=device, dtype=args.dtype, num_slots=args.overhead_models + 1,
                                         requests_per_model=args.overhead_requests, new_tokens=4 * args.overhead_tokens,
-                                        prompt_tokens=args.prompt_tokens, host_cache=cache, pairs=args.metrics_pairs)
+                                        prompt_tokens=args.prompt_tokens, host_cache=cache, pairs=args.metrics_pairs,
+                                        kernels=args.kernels)
     finally:
         _free(device)
 

@@ -125,7 +125,8 @@ def _ci(values: list[float], seed: int = 0, rounds: int = 2000) -> tuple[float, 
 
 def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dtype: str | None, num_slots: int,
                              requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache,
-                             pairs: int = 15, window_s: float = 2.0, flush_interval_s: float = 1.0) -> dict:
+                             pairs: int = 15, window_s: float = 2.0, flush_interval_s: float = 1.0,
+                             kernels: str = "fast") -> dict:
     import ray
 
     from actors.worker import EngineLoop
@@ -134,7 +135,7 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
     prompts = make_prompts(requests_per_model, prompt_tokens, seed=3)
     max_len = max(map(len, prompts))
     engine = engine_for(paths, num_slots=num_slots, tokens_per_model=requests_per_model * (max_len + new_tokens),
-                        device=device, dtype=dtype, host_cache=host_cache)
+                        device=device, dtype=dtype, host_cache=host_cache, kernels=kernels)
     run_to_completion(engine, [r for name in paths for r in greedy_requests(name, prompts[:1], 2, "warm")])
     started_ray = not ray.is_initialized()
     if started_ray:   # a Ray for the metrics calls only: they then cost what they cost in a worker
