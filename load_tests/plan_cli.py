@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--policies", type=_csv, default=["token", "request", "dedicated"])
     s.add_argument("--metric", choices=("strict", "goodput", "cumulative"), default="strict")
     s.add_argument("--target", type=float, default=0.9, help="attainment a GPU count must reach")
-    s.add_argument("--max-gpus", type=int, default=64)
+    s.add_argument("--max-gpus", type=int, help="largest GPU count searched (default: 64, or one more than "
+                                                "the models, so dedicated can give each a device)")
     s.add_argument("--gpus", type=int, help="evaluate this GPU count only")
     s.add_argument("--search", choices=("bisect", "scan"), default="bisect")
     s.add_argument("--quota-max", default="auto",
@@ -143,9 +144,12 @@ def run(args) -> int:
     spec, about = build_spec(args)
     progress = None if args.no_progress else _progress_bar(len(args.policies))
     plans = {}
+    # Dedicated's answer is at least one device per model; a 120-model marketplace needs the search
+    # to reach 121 (its stability check) or dedicated answers null and savings cannot be priced.
+    max_gpus = args.max_gpus if args.max_gpus is not None else max(64, len(spec.market.types) + 1)
     try:
         for policy in args.policies:
-            plans[policy] = search(spec, policy, args.max_gpus, args.search, only=args.gpus,
+            plans[policy] = search(spec, policy, max_gpus, args.search, only=args.gpus,
                                    on_point=progress.point if progress else None)
     finally:
         if progress:
@@ -155,7 +159,7 @@ def run(args) -> int:
            "savings_vs_dedicated": savings(plans), "metric": args.metric, "target": args.target,
            "slo": {"ttft_s": spec.slo.ttft_s, "tbt_s": spec.slo.tbt_s}, "workload": about,
            "layout": spec.layout.to_dict(), "quota_max_s": spec.scheduler.quota_max_s,
-           "search": args.search, "max_gpus": args.max_gpus, "replan_interval_s": spec.replan_interval_s,
+           "search": args.search, "max_gpus": max_gpus, "replan_interval_s": spec.replan_interval_s,
            "split": bool(args.split)}
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,9 @@ def test_plan_and_loadtest_of_the_same_trace_agree_within_ten_points(ray_session
         "--quota-max", "4", "--no-progress", "--json", str(planned)])) == 0
     sim = json.loads(planned.read_text())
 
+    compared = {policy: {"plan": sim["policies"][policy]["attainment"],
+                         "loadtest": real[policy]["attainment_strict"]} for policy in POLICIES}
+    print("plan vs loadtest, strict attainment:", json.dumps({"slo": real["slo"], "policies": compared}))
     for policy in POLICIES:
         assert real[policy]["num_requests"] == NUM_REQUESTS == sim["workload"]["num_requests"]
         got, want = sim["policies"][policy]["attainment"], real[policy]["attainment_strict"]

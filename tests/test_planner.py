@@ -85,6 +85,17 @@ def test_no_count_up_to_max_gpus_gives_null_gpus(tmp_path):
     assert data["policies"]["dedicated"] == {**data["policies"]["dedicated"], "gpus": None, "attainment": None}
 
 
+def test_dedicated_gets_a_device_per_model_beyond_64_models_without_max_gpus(tmp_path):
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as ended:
+        main(["plan", "--models", "70", "--popularity", "longtail", "--rate", "0.5", "--duration", "20",
+              "--policies", "token,dedicated", "--json", str(out), "--no-progress"])
+    assert ended.value.code == 0
+    data = json.loads(out.read_text())
+    assert data["max_gpus"] == 71 and data["policies"]["dedicated"]["gpus"] == 70
+    assert data["savings_vs_dedicated"]["token"] >= 0.8
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--slots", "3"], "layout leaves"),
     (["--kv-gb", "40"], "layout does not fit the H100: 2 slots x 24.24 GiB"),
