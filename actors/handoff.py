@@ -33,7 +33,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, choose_transport, make_transport
+from actors.kv_transfer import KVDescriptor, KVTransfers, KVTransport, choose_transport
 from scheduler.kv_blocks import blocks_for_tokens
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
@@ -63,20 +63,18 @@ class KVHandoff:
         self.worker_id = worker_id
         self.node_id = node_id
         self.device_kind = device_kind
-        self.transports: dict[str, KVTransport] = {}
+        self.transfers = KVTransfers(worker_id, node_id, device_kind)
+        self.transports = self.transfers.transports
         self.exports: dict[str, tuple[KVTransport, KVDescriptor]] = {}
         self.num_handed_off = 0
         self.num_adopted = 0
         self.num_recomputed = 0
 
     def transport(self, name: str) -> KVTransport:
-        if name not in self.transports:
-            self.transports[name] = make_transport(name)
-        return self.transports[name]
+        return self.transfers.transport(name)
 
     def shared_kv_region(self, nbytes: int):
-        """A node-shared uint8 buffer `[nbytes]` for the KV pool: shm handoffs then export without a copy."""
-        return self.transport("shm").allocate_region(nbytes)
+        return self.transfers.shared_kv_region(nbytes)
 
     # ---- sender (engine thread) --------------------------------------------------------
 
@@ -151,8 +149,7 @@ class KVHandoff:
         return adopted
 
     def close(self) -> None:
-        for transport in self.transports.values():
-            transport.close()
+        self.transfers.close()
 
 
 async def relay_handoff(worker, request: GenerateRequest, stream):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, destination
+from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, destination, gather_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,7 @@ class SharedMemoryTransport(KVTransport):
             region = self._take_staging(desc.nbytes)
             staged = region.tensor[:desc.nbytes].view(desc.torch_dtype).view(desc.num_blocks, *desc.block_shape)
             if from_pool:
-                index = torch.tensor(desc.block_ids, dtype=torch.long, device=kv.device)
-                torch.index_select(kv, 0, index, out=staged) if kv.device.type == "cpu" \
-                    else staged.copy_(kv.index_select(0, index))
+                gather_blocks(kv, desc.block_ids, out=staged)
             else:
                 staged.copy_(kv)
             offsets = [i * desc.block_bytes for i in range(desc.num_blocks)]
