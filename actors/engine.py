@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,8 +32,8 @@ from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
-from scheduler.policy_registry import make_policy
+from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
+from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -51,13 +52,17 @@ class EngineConfig:
     num_slots: int = 3                   # resident models + one prefetch slot
     slab_bytes: int = 4 * MiB            # KV pool granularity between models of different shapes
     host_kv_bytes: int = 256 * MiB       # host swap space for preempted KV (0 = recompute instead)
-    policy: str = "token"                # token | request | dedicated
+    policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
     timeline_len: int = 4096             # turns kept for stats/plots
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
 
     def __post_init__(self) -> None:
-        if self.policy not in ("token", "request", "dedicated"):
-            raise ValueError(f"policy must be one of token, request, dedicated; got {self.policy!r}")
+        check_policy_name(self.policy)
+        if isinstance(self.scheduler, Mapping):   # kwargs that crossed a process as plain data
+            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler must be a SchedulerConfig or a mapping of its fields, got {self.scheduler!r}")
         if self.kv_bytes < self.slab_bytes:
             raise ValueError(f"kv_bytes ({format_bytes(self.kv_bytes)}) must hold at least one slab "
                              f"({format_bytes(self.slab_bytes)})")
@@ -91,7 +96,8 @@ class Engine:
         self.host_blocks = BlockManager(host_slabs, config.slab_bytes) if host_slabs else None
         self.slots = WeightSlots(self.memory, host_cache or HostWeightCache())
         self.estimator = StepLatencyEstimator()
-        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator)
+        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
+                                                    config.scheduler)
         self.sampler = Sampler()
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}

@@ -30,12 +30,13 @@ from typing import AsyncIterator, Sequence
 from load_tests.driver import Prompt, Target, TargetError
 from load_tests.metrics import RequestRecord, Turn
 from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
-ENGINE_POLICIES = ("token", "request", "dedicated")
+ENGINE_POLICIES = POLICY_NAMES
 CONTENDERS = (*ENGINE_POLICIES, "multiplexed")
 TIMELINE_LEN = 200_000  # steps kept per worker: a whole sweep point's timeline
 

@@ -18,7 +18,7 @@ from load_tests.metrics import RequestRecord, Turn, summarize
 from load_tests.workloads import Workload
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, KVShape
-from scheduler.policy_registry import make_policy
+from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
@@ -33,7 +33,7 @@ class SimConfig:
     profile_dir: str                  # e.g. .../profiles/qwen2_5_7b/H20: the device and model cost
     weight_bytes: int                 # per model (every marketplace model of this size)
     kv_shape: KVShape                 # per model
-    policy: str = "token"             # token | request | dedicated
+    policy: str = "token"             # a name in scheduler.policy_registry.POLICIES
     num_slots: int = 2                # models whose weights fit on a device at once
     kv_bytes: int = 40 * GiB          # the device's KV pool
     slab_bytes: int = 64 << 20
@@ -41,6 +41,7 @@ class SimConfig:
     h2d_bytes_per_s: float = 25e9     # effective PCIe bandwidth for weight swaps
 
     def __post_init__(self) -> None:
+        check_policy_name(self.policy)
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_slots < 1:

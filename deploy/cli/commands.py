@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
+from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
 if TYPE_CHECKING:
     from deploy.serve_app.app_args import AppArgs
@@ -250,7 +251,7 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"HTTP host (default: the config's, else {DEFAULT_HOST})")
     parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
     parser.add_argument("--devices", type=int, default=2, help="virtual devices of a local Ray on a CPU host")
-    parser.add_argument("--policy", choices=("token", "request", "dedicated"), help="scheduling policy")
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="scheduling policy")
     parser.add_argument("--detach", action="store_true", help="return once deployed (the app keeps running "
                         "in a cluster started with `ray start --head`)")
     parser.set_defaults(run=run_serve)

@@ -144,7 +144,7 @@ class TokenmuxIngress:
 def build_app(args: "dict | AppArgs") -> serve.Application:
     """The Serve application for `args` (see deploy/app_args.py); nothing starts until deployed."""
     parsed = parse_app_args(args)
-    plain = parsed.model_dump(mode="json")
+    plain = parsed.model_dump(mode="json", exclude_unset=True)   # unset fields (scheduler's too) keep their defaults
     cluster = TokenmuxCluster.bind(plain)
     ingress = TokenmuxIngress.options(
         num_replicas=parsed.num_ingress_replicas,
