@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.polling import poll_until  # noqa: E402  (needs the path above)
 
 MiB = 1 << 20
 ENGINE = {"budget_bytes": 48 * MiB, "kv_bytes": 8 * MiB, "num_slots": 2, "slab_bytes": 512 * 1024,
@@ -82,15 +83,6 @@ def handoff(ray, topo, src, dst, model, rid) -> dict:
             "adopted": after - before, "finish": frames[-1]["finish_reason"]}
 
 
-def wait_until(cond, timeout_s: float, interval_s: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return cond()
-
-
 def main() -> dict:
     import ray
     from ray.cluster_utils import Cluster
@@ -133,12 +125,12 @@ def main() -> dict:
 
         # 3. a node joins at runtime: the watcher gives it workers
         cluster.add_node(**NODE)
-        out["joined"] = wait_until(lambda: len(topo.workers) == 6, 90)
+        out["joined"] = poll_until(lambda: len(topo.workers) == 6, 90, 0.25)
         new_node = next(iter(set(topo.worker_nodes.values()) - set(nodes)), None)
         out["new_workers"] = sorted(w for w, n in topo.worker_nodes.items() if n == new_node)
         # the router routes (and placement places) only on workers whose stats it has seen
-        out["joined"] &= wait_until(lambda: set(out["new_workers"]) <= set(
-            ray.get(topo.router.status.remote())["workers"]), 30)
+        out["joined"] &= poll_until(lambda: set(out["new_workers"]) <= set(
+            ray.get(topo.router.status.remote())["workers"]), 30, 0.25)
         # ... and takes traffic. Placement gives a new model to the least-loaded worker with the
         # fewest models (ties by id), so one new model per model-less worker (the two of the new
         # node, and the old workers holding nothing) puts some on the new node whatever the ids.
@@ -182,7 +174,7 @@ def main() -> dict:
         out["burst_requests"], out["burst_failed"] = len(results), bad
         out["burst_workers"] = sorted({wid for wid, _, _ in results})
         out["replicas_peak"] = peak
-        out["shrunk"] = wait_until(lambda: len(plan()["assignments"][model]) == 1, 30)
+        out["shrunk"] = poll_until(lambda: len(plan()["assignments"][model]) == 1, 30, 0.25)
         out["replicas_after"] = len(plan()["assignments"][model])
         out["timings"]["burst_s"] = time.monotonic() - t0
 
@@ -190,7 +182,7 @@ def main() -> dict:
         other = MODELS[1]
         victim = ray.get(topo.placement.plan.remote())["assignments"][other][0]
         ray.kill(topo.workers[victim])
-        out["victim_removed"] = wait_until(lambda: victim not in ray.get(topo.router.status.remote())["workers"], 20)
+        out["victim_removed"] = poll_until(lambda: victim not in ray.get(topo.router.status.remote())["workers"], 20, 0.25)
         ok = []
         for i in range(3):
             for _ in range(20):   # the replan that re-places its model may still be on its way

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from polling import poll_until
 from scheduler.routing import NoWorkerError
 
 GB = 1 << 30
@@ -58,15 +59,6 @@ def _fake_worker_class(ray):
     return FakeWorker
 
 
-def _wait_until(cond, timeout_s=10.0, interval_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return cond()
-
-
 INITIAL = {"w0": (("a", "b"), ("a",)), "w1": (("a",), ()), "w2": (("a", "c"), ())}   # registered, resident
 NODE = {"w0": "n0", "w1": "n0", "w2": "n1"}
 
@@ -113,7 +105,7 @@ def test_unknown_model_raises_no_worker_error_naming_servable_models(cluster):
 def test_load_spreads_when_the_resident_worker_is_busy(cluster):
     ray, router, workers = cluster
     ray.get(workers["w0"].set_queue.remote("a", 200))   # 200 x 10 ms queue: no TTFT headroom left
-    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 200)
+    assert poll_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 200)
     picked = [ray.get(router.pick.remote("a", {"ttft_s": 2.0, "tbt_s": 0.1}))[0] for _ in range(6)]
     assert "w0" not in picked and set(picked) == {"w1", "w2"}
 
@@ -123,10 +115,10 @@ def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
     doomed = _fake_worker_class(ray).remote("w3", "n1", registered=("a", "e"), resident=("a",))
     ray.get(router.add_worker.remote("w3", doomed, "n1"))
     ray.get(workers["w0"].set_queue.remote("a", 3))   # so w3 (resident, idle) is the best for `a`
-    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 3)
+    assert poll_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 3)
     assert ray.get(router.pick.remote("a"))[0] == "w3"
     ray.kill(doomed)
-    assert _wait_until(lambda: "w3" not in ray.get(router.status.remote())["workers"])
+    assert poll_until(lambda: "w3" not in ray.get(router.status.remote())["workers"])
     status = ray.get(router.status.remote())
     assert status["pending"] == {}          # its in-flight request is forgotten with it
     assert "e" not in status["servable"]    # only w3 held it
@@ -148,7 +140,7 @@ def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers)
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
         assert ray.get(router.pick.remote("a"))[0] == "w3"
         ray.kill(doomed)
-        assert _wait_until(lambda: ray.get(router.report_failure.remote("w3")) or
+        assert poll_until(lambda: ray.get(router.report_failure.remote("w3")) or
                            "w3" not in ray.get(router.status.remote())["workers"])
         assert all(ray.get(router.pick.remote("a"))[0] == "w1" for _ in range(3))
         assert not ray.get(router.report_failure.remote("w1"))
@@ -174,20 +166,20 @@ def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(clu
         d_holder = plan["assignments"]["d"][0]
         assert ("register", "d", "/models/d") in ray.get(workers[d_holder].get_calls.remote())
         # The router routes by the plan: `d` goes to its planned worker.
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][d_holder]["registered"].count("d") == 1)
+        assert poll_until(lambda: ray.get(router.status.remote())["workers"][d_holder]["registered"].count("d") == 1)
         assert ray.get(router.pick.remote("d"))[0] == d_holder
         ray.get(router.release.remote(d_holder, "d"))
 
         # Burst on `a`: its queue grows on its worker; each replan adds one worker.
         a_holder = plan["assignments"]["a"][0]
         ray.get(workers[a_holder].set_queue.remote("a", 40))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 40)
+        assert poll_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 40)
         sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
         assert sizes == [2, 3, 3]
         assert all("a" in ray.get(h.stats.remote())["registered"] for h in workers.values())
         # Burst over: it shrinks back to one worker.
         ray.get(workers[a_holder].set_queue.remote("a", 0))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 0)
+        assert poll_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 0)
         sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
         assert sizes[-1] == 1
         assert ray.get(placement.plan.remote())["assignments"]["a"] == [a_holder]
@@ -204,13 +196,13 @@ def test_placement_service_splits_roles_under_load(cluster):
     try:
         assert not ray.get(placement.replan.remote())["split"]
         ray.get(workers["w0"].set_queue.remote("a", 30))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 30)
+        assert poll_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 30)
         plan = ray.get(placement.replan.remote())
         assert plan["split"]
         roles = {wid: ray.get(h.stats.remote())["role"] for wid, h in workers.items()}
         assert roles == plan["roles"] and set(roles.values()) == {"prefill", "decode"}
         # New requests go to a prefill worker, the KV handoff target is a decode worker.
-        assert _wait_until(lambda: {v["role"] for v in ray.get(router.status.remote())["workers"].values()}
+        assert poll_until(lambda: {v["role"] for v in ray.get(router.status.remote())["workers"].values()}
                            == {"prefill", "decode"})
         wid, _ = ray.get(router.pick.remote("a"))
         assert plan["roles"][wid] == "prefill"
@@ -231,10 +223,10 @@ def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
         assert ray.get(router.pick.remote("a"))[0] == "w3"
         hung = slow.hang.remote(4.0)
-        assert _wait_until(lambda: not ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert poll_until(lambda: not ray.get(router.status.remote())["workers"]["w3"]["alive"])
         assert ray.get(router.pick.remote("a"))[0] == "w1"
         ray.get(hung)
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert poll_until(lambda: ray.get(router.status.remote())["workers"]["w3"]["alive"])
         assert ray.get(router.pick.remote("a"))[0] == "w3"
     finally:
         for h in (router, slow):
@@ -250,11 +242,11 @@ def test_started_placement_replans_by_itself_and_follows_a_burst(cluster):
     placement = PlacementService.remote(models=models, config=config, interval_s=0.2, router=router)
     try:
         ray.get(placement.start.remote())
-        assert _wait_until(lambda: ray.get(router.plan.remote()) is not None)   # no replan was asked for
+        assert poll_until(lambda: ray.get(router.plan.remote()) is not None)   # no replan was asked for
         a_holder = ray.get(router.plan.remote())["assignments"]["a"][0]
         ray.get(workers[a_holder].set_queue.remote("a", 30))
-        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 3)
+        assert poll_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 3)
         ray.get(workers[a_holder].set_queue.remote("a", 0))
-        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 1)
+        assert poll_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 1)
     finally:
         ray.kill(placement)
