@@ -177,8 +177,11 @@ class KVTransport(ABC):
         """Free everything this instance holds (mappings, staging, handles)."""
 
 
-def check_blocks(kv: torch.Tensor, desc: KVDescriptor, from_pool: bool) -> None:
-    """Reject a tensor whose layout does not match the descriptor, naming the mismatch."""
+def check_blocks(kv: torch.Tensor, desc: KVDescriptor, from_pool: bool,
+                 block_ids: tuple[int, ...] | list[int] | None = None) -> None:
+    """Reject a tensor whose layout does not match the descriptor, naming the mismatch.
+
+    With from_pool, kv is a whole pool and `block_ids` (default: the descriptor's) index it."""
     if not isinstance(kv, torch.Tensor):
         raise ValueError(f"KV blocks must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 6 or tuple(kv.shape[1:]) != desc.block_shape:
@@ -187,8 +190,11 @@ def check_blocks(kv: torch.Tensor, desc: KVDescriptor, from_pool: bool) -> None:
     if kv.dtype != desc.torch_dtype:
         raise ValueError(f"KV blocks are {kv.dtype}, the descriptor says {desc.dtype}")
     if from_pool:
-        if max(desc.block_ids) >= kv.shape[0]:
-            raise ValueError(f"block id {max(desc.block_ids)} is outside a pool of {kv.shape[0]} blocks")
+        ids = desc.block_ids if block_ids is None else block_ids
+        if min(ids) < 0 or max(ids) >= kv.shape[0]:
+            raise ValueError(f"block ids {min(ids)}..{max(ids)} are outside a pool of {kv.shape[0]} blocks")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"block ids have duplicates: {list(ids)}")
     elif kv.shape[0] != desc.num_blocks:
         raise ValueError(f"{kv.shape[0]} blocks given, the descriptor has {desc.num_blocks}")
     if not kv[0].is_contiguous():
@@ -205,7 +211,7 @@ def destination(desc: KVDescriptor, out: torch.Tensor | None,
     if dst_block_ids is not None:
         if len(dst_block_ids) != desc.num_blocks:
             raise ValueError(f"{len(dst_block_ids)} destination blocks for {desc.num_blocks} source blocks")
-        check_blocks(out, dataclasses.replace(desc, block_ids=tuple(dst_block_ids)), from_pool=True)
+        check_blocks(out, desc, from_pool=True, block_ids=dst_block_ids)
     else:
         check_blocks(out, desc, from_pool=False)
     return out
