@@ -190,8 +190,7 @@ class Engine:
         if request_id not in self.requests:
             return False
         self.policy.abort_request(request_id, status)
-        self.requests.pop(request_id, None)
-        self.outputs.pop(request_id, None)
+        self._forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:

@@ -31,6 +31,7 @@ class FrameBuffer:
         self.pending: OutputFrame | None = None
         self.event = asyncio.Event()
         self.finished = False   # the frame that ends the request went to the consumer
+        self.attached = False   # a consumer reads it (a worker's serving context)
 
     def push(self, frame: OutputFrame) -> None:
         if self.pending is None:

@@ -30,6 +30,7 @@ from scheduler.messages import (FINISH_ERROR, ROLES, ROUTER_NAME, GenerateReques
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+ATTACH_TIMEOUT_S = 30.0   # an adopted request whose sender never opens its stream is aborted after this
 
 
 class EngineLoop:
@@ -145,18 +146,24 @@ class DeviceWorker:
                         async for frame in relayed:
                             yield frame
 
-    async def generate_prefilled(self, state: HandoffState, desc: KVDescriptor | None = None):
-        """The decode side of a KV handoff: adopt the request (its KV through `desc`), answer one
-        HandoffAck, then stream its OutputFrames."""
-        async with self._serving(state.request.request_id) as buffer:
-            try:
-                adopted = await self._on_engine(self.handoff.adopt, state, desc)
-            except ValueError as exc:   # unknown model, bad state: the sender keeps the request
-                buffer.finished = True
-                yield HandoffAck(False, str(exc))
-                return
-            del desc   # drop an object-store ref as soon as the KV is in
-            yield HandoffAck(adopted)
+    async def adopt_prefilled(self, state: HandoffState, desc: KVDescriptor | None = None) -> HandoffAck:
+        """The decode side of a KV handoff: adopt the request with its KV (the descriptor rides on
+        this call) and answer at once; its frames go to `generate_prefilled`, which the sender
+        opens right behind this call."""
+        request_id = state.request.request_id
+        buffer = self._buffer(request_id)
+        if not buffer.attached:   # a sender that died before opening the stream leaves no orphan behind
+            self.loop.call_later(ATTACH_TIMEOUT_S, self._drop_unattached, request_id, buffer)
+        try:
+            adopted = await self._on_engine(self.handoff.adopt, state, desc)
+        except ValueError as exc:   # unknown model, bad state: the sender keeps the request
+            buffer.push(OutputFrame(request_id, finish_reason=FINISH_ERROR, error=str(exc), worker_id=self.worker_id))
+            return HandoffAck(False, str(exc))
+        return HandoffAck(adopted)
+
+    async def generate_prefilled(self, request_id: str):
+        """The OutputFrames of a request adopted by `adopt_prefilled`."""
+        async with self._serving(request_id) as buffer:
             async for frame in buffer.frames():
                 yield frame
 
@@ -193,16 +200,31 @@ class DeviceWorker:
     async def _serving(self, request_id: str):
         """The FrameBuffer of one request while its consumer reads it; the one place that
         aborts the request (freeing its KV) when the consumer goes away before the last frame."""
-        self.loop = self.loop or asyncio.get_running_loop()
-        buffer = FrameBuffer(self.worker_id)
-        self.buffers[request_id] = buffer
+        buffer = self._buffer(request_id)
+        buffer.attached = True
         try:
             yield buffer
         finally:
-            if self.buffers.get(request_id) is buffer:
-                del self.buffers[request_id]
-            if not buffer.finished:
-                self.engine_loop.call(self.engine.abort, request_id)
+            self._forget_buffer(request_id, buffer)
+
+    def _buffer(self, request_id: str) -> FrameBuffer:
+        """The request's FrameBuffer, made on first use (by its stream or by adopt_prefilled)."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        if request_id not in self.buffers:
+            self.buffers[request_id] = FrameBuffer(self.worker_id)
+        return self.buffers[request_id]
+
+    def _forget_buffer(self, request_id: str, buffer: FrameBuffer) -> None:
+        if self.buffers.get(request_id) is buffer:
+            del self.buffers[request_id]
+        if not buffer.finished:
+            self.engine_loop.call(self.engine.abort, request_id)
+
+    def _drop_unattached(self, request_id: str, buffer: FrameBuffer) -> None:
+        if not buffer.attached:
+            logger.warning("request %s was adopted but no stream came for it in %.0fs; aborting it",
+                           request_id, ATTACH_TIMEOUT_S)
+            self._forget_buffer(request_id, buffer)
 
     async def _on_engine(self, fn, *args):
         return await asyncio.wrap_future(self.engine_loop.call(fn, *args))

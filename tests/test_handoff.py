@@ -174,6 +174,23 @@ def test_caller_keeps_one_stream_across_the_handoff(pair, reference):
     assert stats.kv_free_frac == 1.0 and not stats.running
 
 
+def test_a_decode_worker_refuses_a_model_it_lacks_and_its_stream_ends_with_the_reason(pair):
+    from actors.frame_stream import stream_frames
+    from scheduler.messages import HandoffState
+
+    ray, router, prefill, decode = pair
+    state = HandoffState(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0, 0)
+
+    async def dispatch():
+        ack_ref = decode.adopt_prefilled.remote(state, None)
+        async with stream_frames(decode.generate_prefilled.remote("refused")) as frames:
+            return await ack_ref, [f async for f in frames]
+
+    ack, frames = asyncio.run(dispatch())
+    assert not ack.adopted and "nope" in ack.error
+    assert [f.finish_reason for f in frames] == ["error"] and "nope" in frames[0].error
+
+
 def test_dead_decode_worker_loses_nothing(pair, reference):
     ray, router, prefill, decode = pair
     ray.kill(decode)   # the router has not noticed yet: the prefill worker finds out on the handoff

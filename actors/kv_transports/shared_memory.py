@@ -91,10 +91,12 @@ class SharedMemoryTransport(KVTransport):
         check_blocks(kv, desc, from_pool)
         if desc.request_id in self._exports:
             raise ValueError(f"request {desc.request_id!r} is already exported and not released")
-        blocks = [kv[i] for i in desc.block_ids] if from_pool else list(kv)
-        region = self._region_holding(blocks, desc.block_bytes) if kv.device.type == "cpu" else None
+        # Block i of kv starts at kv.data_ptr() + i * stride(0) bytes (each block is contiguous).
+        step = kv.stride(0) * kv.element_size()
+        ptrs = [kv.data_ptr() + step * i for i in (desc.block_ids if from_pool else range(kv.shape[0]))]
+        region = self._region_holding(ptrs, desc.block_bytes) if kv.device.type == "cpu" else None
         if region is not None:
-            offsets = [b.data_ptr() - region.base() for b in blocks]
+            offsets = [p - region.base() for p in ptrs]
             self._exports[desc.request_id] = None
         else:
             region = self._take_staging(desc.nbytes)
@@ -151,10 +153,11 @@ class SharedMemoryTransport(KVTransport):
         except Exception:   # interpreter shutdown: modules may already be gone
             pass
 
-    def _region_holding(self, blocks: list[torch.Tensor], block_bytes: int) -> _Mapped | None:
+    def _region_holding(self, ptrs: list[int], block_bytes: int) -> _Mapped | None:
+        """The shared region holding every block starting at `ptrs`, or None."""
+        first, last = min(ptrs), max(ptrs) + block_bytes
         for region in self._regions:
-            lo, hi = region.base(), region.base() + region.nbytes
-            if all(lo <= b.data_ptr() and b.data_ptr() + block_bytes <= hi for b in blocks):
+            if region.base() <= first and last <= region.base() + region.nbytes:
                 return region
         return None
 

@@ -7,11 +7,12 @@
                            x 128, bf16: 256 MiB, Llama-3-8B's KV shape)
 
 A handoff is timed as a prefill worker sees it, through the code a worker runs
-(actors/kv_transfer.py KVTransfers, actors/frame_stream.py): export of the request's
-blocks from the sender's pool, the descriptor riding on the one dispatch to the receiver
-(a streaming call whose first item is the HandoffAck, as `generate_prefilled`), the
-receiver's import into its pool on a thread of its own (a worker imports on its engine
-thread), the ack back, release on the sender. The copy it is divided by is one memcpy of
+(actors/kv_transfer.py KVTransfers, actors/frame_stream.py) and its protocol
+(actors/handoff.py): export of the request's blocks from the sender's pool, the descriptor
+riding on the one dispatch to the receiver (`adopt_prefilled`, answering the HandoffAck)
+with the frame stream opened right behind it (`generate_prefilled`), the receiver's import
+into its pool on a thread of its own (a worker imports on its engine thread), the ack back,
+release on the sender. The copy it is divided by is one memcpy of
 the same bytes (contiguous to contiguous, same thread count) in the receiver's process,
 timed in the same iteration; iterations alternate which goes first. Each ratio is
 median(handoff) / median(copy), with a 95% bootstrap interval (2,000 resamples of the
@@ -96,6 +97,7 @@ class KVEndpoint:
         self.copy_src = self.view[0, :self.num_blocks].clone()
         self.copy_dst = torch.empty_like(self.copy_src).fill_(0)
         self.last_import_s = 0.0
+        self.adopted: dict[str, asyncio.Event] = {}   # request id -> set once its KV is in
 
     def kv_bytes(self) -> int:
         return self.copy_src.numel() * self.copy_src.element_size()
@@ -109,24 +111,38 @@ class KVEndpoint:
         desc = self.transfers.export(request_id, self.model, KVBlocks(self.view, tuple(src_ids)), self.tokens,
                                      dst_node)
         export_s = time.perf_counter() - start
-        async with stream_frames(dst.receive.remote(desc, dst_ids)) as stream:
-            ack = await stream.first(ACK_TIMEOUT_S)
-        self.transfers.release(desc)
-        total_s = time.perf_counter() - start
+        ack_ref = dst.receive.remote(desc, dst_ids)
+        async with stream_frames(dst.frames.remote(request_id)) as stream:
+            ack = await asyncio.wait_for(ack_ref, ACK_TIMEOUT_S)
+            self.transfers.release(desc)
+            total_s = time.perf_counter() - start
+            async for _ in stream:   # a worker's stream goes on with frames; this one ends at once
+                pass
         if not ack.adopted:
             raise RuntimeError(f"handoff {request_id} was refused: {ack.error}")
         return {"total_s": total_s, "export_s": export_s, "transport": desc.transport}
 
     async def receive(self, desc, dst_ids: list[int]):
-        """The receiving end: import into the pool off the event loop, then the ack."""
+        """The receiving end (`adopt_prefilled`): import into the pool off the event loop, then the ack."""
         from actors.kv_pool import KVBlocks
         from scheduler.messages import HandoffAck
 
         start = time.perf_counter()
         await asyncio.to_thread(self.transfers.import_, desc, KVBlocks(self.view, tuple(dst_ids)))
         self.last_import_s = time.perf_counter() - start
-        del desc
-        yield HandoffAck(True)
+        self._adopted(desc.request_id).set()
+        return HandoffAck(True)
+
+    async def frames(self, request_id: str):
+        """The stream a sender opens behind its dispatch (`generate_prefilled`): here one final frame."""
+        from scheduler.messages import FINISH_LENGTH, OutputFrame
+
+        await self._adopted(request_id).wait()
+        del self.adopted[request_id]
+        yield OutputFrame(request_id, finish_reason=FINISH_LENGTH)
+
+    def _adopted(self, request_id: str) -> asyncio.Event:
+        return self.adopted.setdefault(request_id, asyncio.Event())
 
     def import_s(self) -> float:
         return self.last_import_s
