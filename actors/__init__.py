@@ -19,6 +19,7 @@ What flows through here:
   is the cold path, touched once per node per model.
 - Prefill/decode disaggregation: a prefill worker's HandoffRelay (handoff.py) detaches a
   request after its first frame, exports its KV blocks (`KVBlocks`) through KVTransfers
-  (kv_transfer.py, transports in kv_transports/), and dispatches `generate_prefilled(state,
-  descriptor)` to a decode worker, which adopts the request with its KV and streams on.
+  (kv_transfer.py, transports in kv_transports/), and dispatches `adopt_prefilled(state,
+  descriptor)` to a decode worker, which adopts the request with its KV, acks, and streams
+  its frames through `generate_prefilled`.
 """

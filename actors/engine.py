@@ -111,6 +111,7 @@ class Engine:
         self.decode_step_s = 0.0                      # EMA of a decode step's wall time, all models
         self.decode_step_s_by_model: dict[str, float] = {}
         self._held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
+        self._hold_after_prefill: set[str] = set()   # detach these the step their first token comes out
 
     # -- models ---------------------------------------------------------------------------
 
@@ -156,10 +157,17 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_request(self, req: GenerateRequest) -> None:
-        """Accept a request or raise ValueError naming the problem; nothing accepted is lost."""
+    def add_request(self, req: GenerateRequest, hold_after_prefill: bool = False) -> None:
+        """Accept a request or raise ValueError naming the problem; nothing accepted is lost.
+
+        hold_after_prefill: a prefill worker's request for a KV handoff. The step that makes its
+        first token also detaches it (as `detach` does), so it never decodes here while the
+        handoff is decided, however fast the steps are; `detach` then returns it and
+        `end_detach` frees it or lets it go on here."""
         request = self._new_request(req)
         self.policy.add_request(request)
+        if hold_after_prefill:
+            self._hold_after_prefill.add(req.request_id)
 
     def _new_request(self, req: GenerateRequest) -> Request:
         """Check a request and hold it with its output state; the caller hands it to the policy."""
@@ -187,6 +195,9 @@ class Engine:
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """Cancel a request and free its KV; False when it is unknown or already finished."""
+        if request_id in self._held:   # detached, its handoff undecided: drop it with its blocks
+            self.end_detach(request_id, handed_off=True)
+            return True
         if request_id not in self.requests:
             return False
         self.policy.abort_request(request_id, status)
@@ -211,8 +222,22 @@ class Engine:
         finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s)
         self.policy.set_resident(self.slots.resident())
         frames = self._emit(output, finished)
+        if self._hold_after_prefill:
+            self._hold_prefilled(output)
         self._account(output, start, run_start, run_s)
         return frames
+
+    def _hold_prefilled(self, output: SchedulerOutput) -> None:
+        """Detach the requests of this step that asked for it and now have their first token."""
+        for r in output.requests:
+            request = self.requests.get(r.request_id)
+            if r.request_id not in self._hold_after_prefill:
+                continue
+            if request is None:   # it ended on its first token (or a stop string): nothing to hand off
+                self._hold_after_prefill.discard(r.request_id)
+            elif request.output_token_ids and request.status is RequestStatus.RUNNING:
+                self._hold_after_prefill.discard(r.request_id)
+                self._take_out(request)
 
     def _prepare(self, output: SchedulerOutput) -> float:
         """Weights of output.model in a slot, KV swaps done, next model prefetching."""
@@ -271,22 +296,34 @@ class Engine:
         """Take a RUNNING request out of scheduling, its KV blocks held for export: returns its
         state and the blocks of its computed tokens. None when it has no KV on the device now
         (queued, swapped out, finished). Follow with end_detach."""
-        request = self.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
-            return None
-        self.policy.detach_request(request_id)
-        assembler = self.outputs.pop(request_id)
-        self._held[request_id] = (self.requests.pop(request_id), assembler)
+        self._hold_after_prefill.discard(request_id)   # decided now, held or not
+        if request_id in self._held:   # held after its prefill (add_request(hold_after_prefill=True))
+            request, assembler = self._held[request_id]
+        else:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
+                return None
+            assembler = self._take_out(request)
         n = request.num_computed_tokens
         state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
                                              request.sampling_params, request.slo, request.arrival_time),
                              tuple(request.output_token_ids), tuple(request.token_times), n, assembler.num_sent_chars)
         return state, self._kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
 
+    def _take_out(self, request: Request) -> OutputAssembler:
+        self.policy.detach_request(request.request_id)
+        assembler = self.outputs.pop(request.request_id)
+        self._held[request.request_id] = (self.requests.pop(request.request_id), assembler)
+        return assembler
+
     def end_detach(self, request_id: str, handed_off: bool) -> None:
         """handed_off: another worker has the KV, free the blocks. Else the request continues
-        here where it was, KV untouched."""
-        request, assembler = self._held.pop(request_id)
+        here where it was, KV untouched. A no-op for a request no longer held (aborted meanwhile)."""
+        self._hold_after_prefill.discard(request_id)
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        request, assembler = held
         if handed_off:
             m = self.models[request.model]
             self.blocks.free(_kv_shape(m.spec, m.dtype), request.block_ids)
@@ -338,6 +375,7 @@ class Engine:
         return KVBlocks(self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype), tuple(block_ids))
 
     def _forget(self, request_id: str) -> None:
+        self._hold_after_prefill.discard(request_id)
         self.requests.pop(request_id, None)
         self.outputs.pop(request_id, None)
 

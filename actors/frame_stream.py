@@ -3,9 +3,8 @@
     worker side   FrameBuffer           the engine thread pushes each step's frame; the request's
                                         consumer takes them, merged while they wait (a slow
                                         consumer gets fewer, larger frames, never falls behind)
-    caller side   stream_frames(gen)    a worker's Ray streaming generator read as typed items
-                                        (OutputFrame, or a HandoffAck first), cancelled on exit
-                                        unless it ended
+    caller side   stream_frames(gen)    a worker's Ray streaming generator read as OutputFrames,
+                                        cancelled on exit unless it ended
 
 Cancellation has one owner on each side. The caller: `stream_frames` cancels an unfinished
 stream when its `async with` block is left (Ray then cancels the worker's generator). The
@@ -18,9 +17,14 @@ import asyncio
 import logging
 from typing import Any
 
-from scheduler.messages import OutputFrame
+from scheduler.messages import FINISH_ERROR, OutputFrame
 
 logger = logging.getLogger(__name__)
+
+
+def error_frame(request_id: str, worker_id: str, error: Exception | str) -> OutputFrame:
+    """The last frame of a request that failed: its error, by the worker that saw it."""
+    return OutputFrame(request_id, finish_reason=FINISH_ERROR, error=str(error), worker_id=worker_id)
 
 
 class FrameBuffer:
@@ -66,7 +70,7 @@ class FrameBuffer:
 
 
 class FrameStream:
-    """A worker's Ray streaming generator, read as typed items; cancelled on exit unless it ended.
+    """A worker's Ray streaming generator, read as OutputFrames; cancelled on exit unless it ended.
 
         async with stream_frames(handle.generate.remote(request)) as stream:
             async for frame in stream:
@@ -87,7 +91,7 @@ class FrameStream:
     def __aiter__(self) -> "FrameStream":
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> OutputFrame:
         if self.ended:
             raise StopAsyncIteration
         try:
@@ -95,14 +99,10 @@ class FrameStream:
         except StopAsyncIteration:
             self.ended = True
             raise
-        item = await ref
-        if isinstance(item, OutputFrame) and item.finished:
+        frame = await ref
+        if frame.finished:
             self.ended = True
-        return item
-
-    async def first(self, timeout_s: float) -> Any:
-        """The next item within timeout_s (asyncio.TimeoutError otherwise)."""
-        return await asyncio.wait_for(self.__anext__(), timeout_s)
+        return frame
 
     def cancel(self) -> None:
         """Stop the worker's generator (non-blocking); it gets CancelledError and cleans up."""

@@ -15,13 +15,19 @@ KVTransfers (actors/kv_transfer.py). `HandoffRelay` is the async protocol a pref
 owns; it needs the engine-thread call, the router and the request's FrameBuffer, nothing
 else of the worker. The KV descriptor rides on the decode dispatch (`adopt_prefilled(state,
 desc)`), which answers the ack: one plain round trip moves the KV (a streaming call's first
-item measured ~0.5-1 ms slower here), and the prefill worker frees its blocks as soon as the
-ack says the receiver has them. The frame stream (`generate_prefilled(request_id)`) is opened
-right behind the dispatch, not after the ack, so it adds no round trip and the request is
-never without a consumer for long (the decode worker aborts an adopted request whose stream
-never comes). The decode frames are relayed to the caller unchanged (they carry the decode
+item measured ~0.5-1 ms slower here, and a stream opened alongside the dispatch ~0.5 ms),
+and the prefill worker frees its blocks as soon as the ack says the receiver has them. The
+frame stream (`generate_prefilled(request_id)`) is opened the moment the ack arrives, with
+no await in between, so no cancellation can leave the adopted request without a consumer
+(its frames wait in the decode worker's buffer; a decode worker aborts an adopted request
+whose stream never comes, e.g. because the prefill worker died). The decode frames are relayed to the caller unchanged (they carry the decode
 worker's id): one extra hop per frame, not per token, and the caller, the ingress and the
 router never learn a handoff happened.
+
+A request a prefill worker will hand off is held from the step that makes its first token
+(`Engine.add_request(hold_after_prefill=True)`): it never decodes there while the router is
+asked and the KV moves, so a fast engine cannot finish it locally first; without a decode
+worker it is let go on where it was (`KVHandoff.keep`).
 
 Nothing is lost on failure. No decode worker, a failed export or a decode worker that
 fails before its ack: the held request continues on the prefill worker, KV untouched.
@@ -38,9 +44,9 @@ import concurrent.futures
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from actors.frame_stream import FrameBuffer, stream_frames
+from actors.frame_stream import FrameBuffer, error_frame, stream_frames
 from actors.kv_transfer import KVDescriptor, KVTransfers
-from scheduler.messages import FINISH_ERROR, DecodeTarget, GenerateRequest, HandoffCounts, HandoffState, OutputFrame
+from scheduler.messages import DecodeTarget, GenerateRequest, HandoffCounts, HandoffState, OutputFrame
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +84,10 @@ class KVHandoff:
             return None
         self.exports[request_id] = desc
         return state, desc
+
+    def keep(self, request_id: str) -> None:
+        """No decode worker for a request held after its prefill: it decodes on here."""
+        self.engine.end_detach(request_id, handed_off=False)
 
     def end_export(self, request_id: str, handed_off: bool) -> None:
         """The receiver has the KV (free it here) or will not get it (the request continues here).
@@ -123,17 +133,25 @@ class HandoffRelay:
     async def _on_engine(self, fn, *args):
         return await asyncio.wrap_future(self.call(fn, *args))
 
-    async def relay(self, request: GenerateRequest, buffer: FrameBuffer) -> AsyncIterator[OutputFrame]:
-        """Run by a prefill worker's generate() after the first frame.
+    def decode_target(self, request: GenerateRequest) -> asyncio.Task | None:
+        """Ask the router for the request's decode worker while its prefill runs (so the answer
+        is there when the first frame is); None when the request is never handed off. A request
+        with a task is added with hold_after_prefill: it waits, detached, for relay()."""
+        params = request.sampling_params
+        if not params.greedy and params.seed is not None:
+            return None
+        return asyncio.get_running_loop().create_task(self._decode_target(request))
+
+    async def relay(self, request: GenerateRequest, buffer: FrameBuffer,
+                    target_task: asyncio.Task) -> AsyncIterator[OutputFrame]:
+        """Run by a prefill worker's generate() after the first frame, with decode_target's task.
 
         Yields frames for the caller until the request finishes. Yields nothing (and returns)
         when no handoff happened: the caller's loop then goes on with the local frames.
         """
-        params = request.sampling_params
-        if not params.greedy and params.seed is not None:
-            return
-        target = await self._decode_target(request)
+        target = await target_task
         if target is None:
+            await self._on_engine(self.kv.keep, request.request_id)
             return
         exported = await self._on_engine(self.kv.detach_and_export, request.request_id, target.node_id)
         if exported is None:
@@ -144,21 +162,22 @@ class HandoffRelay:
         resolved = False
         sent_tokens, sent_chars = list(state.output_token_ids), state.num_sent_chars
         try:
-            # The descriptor rides on the dispatch; the stream of frames follows right behind it
-            # (Ray starts one caller's actor calls in order), so the ack is one plain round trip.
+            # The descriptor rides on the dispatch, whose answer is the ack: one plain round trip.
             ack_ref = target.handle.adopt_prefilled.remote(state, desc)
             del desc   # the dispatch holds it now (an object-store ref must not outlive the receiver's use)
+            try:
+                ack = await asyncio.wait_for(ack_ref, ACK_TIMEOUT_S)
+                if ack.error:
+                    raise ValueError(ack.error)
+            except Exception as exc:   # decode worker dead, refused the model, too slow
+                logger.warning("handoff of %s to %s failed before the KV moved (%s); decoding locally",
+                               request.request_id, target.worker_id, exc)
+                resolved = True
+                await self._on_engine(self.kv.end_export, request.request_id, False)
+                return
+            # The frame stream, opened with no await after the ack (so no cancellation can leave the
+            # adopted request without a consumer); its frames wait in the decode worker's buffer.
             async with stream_frames(target.handle.generate_prefilled.remote(request.request_id)) as decode:
-                try:
-                    ack = await asyncio.wait_for(ack_ref, ACK_TIMEOUT_S)
-                    if ack.error:
-                        raise ValueError(ack.error)
-                except Exception as exc:   # decode worker dead, refused the model, too slow
-                    logger.warning("handoff of %s to %s failed before the KV moved (%s); decoding locally",
-                                   request.request_id, target.worker_id, exc)
-                    resolved = True
-                    await self._on_engine(self.kv.end_export, request.request_id, False)
-                    return
                 resolved = True
                 await self._on_engine(self.kv.end_export, request.request_id, True)
                 try:
@@ -176,8 +195,7 @@ class HandoffRelay:
             try:
                 await self._on_engine(self.kv.adopt, retry, None)
             except ValueError as exc:
-                yield buffer.sent(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
-                                              worker_id=self.worker_id))
+                yield buffer.sent(error_frame(request.request_id, self.worker_id, exc))
                 return
             async for frame in buffer.frames():
                 yield frame

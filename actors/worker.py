@@ -21,10 +21,10 @@ import threading
 import time
 
 from actors.engine import Engine, EngineConfig
-from actors.frame_stream import FrameBuffer
+from actors.frame_stream import FrameBuffer, error_frame
 from actors.handoff import HandoffRelay, KVHandoff
 from actors.kv_transfer import KVDescriptor, KVTransfers
-from scheduler.messages import (FINISH_ERROR, ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
+from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
                                 OutputFrame, RegisteredModel, WorkerStats)
 
 logger = logging.getLogger(__name__)
@@ -131,25 +131,28 @@ class DeviceWorker:
     async def generate(self, request: GenerateRequest):
         """Stream the request's OutputFrames; the last one has finish_reason set."""
         async with self._serving(request.request_id) as buffer:
+            target = self.relay.decode_target(request) if self.role == "prefill" else None
             try:
-                await self._on_engine(self.engine.add_request, request)
-            except ValueError as exc:
-                yield buffer.sent(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
-                                              worker_id=self.worker_id))
-                return
-            handoff_tried = False
-            async for frame in buffer.frames():
-                yield frame
-                if self.role == "prefill" and not handoff_tried and not buffer.finished:
-                    handoff_tried = True   # decode elsewhere (actors/handoff.py); relayed frames end it
-                    async with contextlib.aclosing(self.relay.relay(request, buffer)) as relayed:
-                        async for frame in relayed:
-                            yield frame
+                try:   # a request to hand off is held after its prefill: it never decodes here meanwhile
+                    await self._on_engine(self.engine.add_request, request, target is not None)
+                except ValueError as exc:
+                    yield buffer.sent(error_frame(request.request_id, self.worker_id, exc))
+                    return
+                async for frame in buffer.frames():
+                    yield frame
+                    if target is not None and not buffer.finished:   # decode elsewhere (actors/handoff.py)
+                        async with contextlib.aclosing(self.relay.relay(request, buffer, target)) as relayed:
+                            async for frame in relayed:
+                                yield frame
+                        target = None
+            finally:
+                if target is not None:
+                    target.cancel()   # it ended before its first frame was out: no handoff
 
     async def adopt_prefilled(self, state: HandoffState, desc: KVDescriptor | None = None) -> HandoffAck:
         """The decode side of a KV handoff: adopt the request with its KV (the descriptor rides on
         this call) and answer at once; its frames go to `generate_prefilled`, which the sender
-        opens right behind this call."""
+        opens when this answers."""
         request_id = state.request.request_id
         buffer = self._buffer(request_id)
         if not buffer.attached:   # a sender that died before opening the stream leaves no orphan behind
@@ -157,7 +160,7 @@ class DeviceWorker:
         try:
             adopted = await self._on_engine(self.handoff.adopt, state, desc)
         except ValueError as exc:   # unknown model, bad state: the sender keeps the request
-            buffer.push(OutputFrame(request_id, finish_reason=FINISH_ERROR, error=str(exc), worker_id=self.worker_id))
+            buffer.push(error_frame(request_id, self.worker_id, exc))
             return HandoffAck(False, str(exc))
         return HandoffAck(adopted)
 

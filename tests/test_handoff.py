@@ -119,6 +119,23 @@ def test_a_held_request_can_continue_where_it_was(path, reference):
             t.close()
 
 
+def test_a_request_held_after_prefill_waits_however_many_steps_run(path, reference):
+    """A prefill worker's request never decodes on while its handoff is decided (a fast engine
+    would otherwise finish it before the decode worker is known)."""
+    engine = _engine(path)
+    engine.add_request(_request(), hold_after_prefill=True)
+    first = [t for f in engine.step() for t in f.token_ids]
+    assert len(first) == 1 and not engine.has_unfinished()
+    assert engine.step() == []
+    state, blocks = engine.detach("r")
+    assert list(state.output_token_ids) == first and state.num_computed_tokens == len(PROMPT)
+    engine.end_detach("r", handed_off=False)   # no decode worker after all: it goes on here
+    assert first + _run(engine)["r"] == reference
+    engine.add_request(_request("gone"), hold_after_prefill=True)
+    engine.step()
+    assert engine.abort("gone") and engine.blocks.usage()["num_free_slabs"] == engine.blocks.num_slabs
+
+
 def test_adopt_rejects_bad_state(path):
     from scheduler.messages import HandoffState
 

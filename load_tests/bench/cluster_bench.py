@@ -5,14 +5,16 @@
     handoff_vs_copy_small  one KV handoff of 512 tokens of llama-100m (14 MiB) / one memcpy
     handoff_vs_copy_large  the same for 2,048 tokens of an 8B-shaped KV (32 layers x 8 KV heads
                            x 128, bf16: 256 MiB, Llama-3-8B's KV shape)
+    ray_round_trip_ms      beside each: one empty actor call sender -> receiver -> sender, the
+                           Ray latency every handoff pays once on top of its copy
 
 A handoff is timed as a prefill worker sees it, through the code a worker runs
 (actors/kv_transfer.py KVTransfers, actors/frame_stream.py) and its protocol
 (actors/handoff.py): export of the request's blocks from the sender's pool, the descriptor
-riding on the one dispatch to the receiver (`adopt_prefilled`, answering the HandoffAck)
-with the frame stream opened right behind it (`generate_prefilled`), the receiver's import
-into its pool on a thread of its own (a worker imports on its engine thread), the ack back,
-release on the sender. The copy it is divided by is one memcpy of
+riding on the one dispatch to the receiver (`adopt_prefilled`, answering the HandoffAck),
+the receiver's import into its pool on a thread of its own (a worker imports on its engine
+thread), the ack back, the frame stream opened (`generate_prefilled`), release on the
+sender. The copy it is divided by is one memcpy of
 the same bytes (contiguous to contiguous, same thread count) in the receiver's process,
 timed in the same iteration; iterations alternate which goes first. Each ratio is
 median(handoff) / median(copy), with a 95% bootstrap interval (2,000 resamples of the
@@ -111,9 +113,8 @@ class KVEndpoint:
         desc = self.transfers.export(request_id, self.model, KVBlocks(self.view, tuple(src_ids)), self.tokens,
                                      dst_node)
         export_s = time.perf_counter() - start
-        ack_ref = dst.receive.remote(desc, dst_ids)
-        async with stream_frames(dst.frames.remote(request_id)) as stream:
-            ack = await asyncio.wait_for(ack_ref, ACK_TIMEOUT_S)
+        ack = await asyncio.wait_for(dst.receive.remote(desc, dst_ids), ACK_TIMEOUT_S)
+        async with stream_frames(dst.frames.remote(request_id)) as stream:   # opened at the ack, as a worker does
             self.transfers.release(desc)
             total_s = time.perf_counter() - start
             async for _ in stream:   # a worker's stream goes on with frames; this one ends at once
@@ -134,7 +135,7 @@ class KVEndpoint:
         return HandoffAck(True)
 
     async def frames(self, request_id: str):
-        """The stream a sender opens behind its dispatch (`generate_prefilled`): here one final frame."""
+        """The stream a sender opens at the ack (`generate_prefilled`): here one final frame."""
         from scheduler.messages import FINISH_LENGTH, OutputFrame
 
         await self._adopted(request_id).wait()
@@ -146,6 +147,15 @@ class KVEndpoint:
 
     def import_s(self) -> float:
         return self.last_import_s
+
+    async def round_trip_s(self, dst) -> float:
+        """One empty actor call to the receiver and back: the Ray latency inside every handoff."""
+        start = time.perf_counter()
+        await dst.ping.remote()
+        return time.perf_counter() - start
+
+    async def ping(self) -> None:
+        return None
 
     def copy_s(self) -> float:
         start = time.perf_counter()
@@ -180,7 +190,7 @@ def ratio_ci(num: list[float], den: list[float], seed: int = 0, reps: int = 2000
 def bench_handoff(ray, src, dst, dst_node: str, num_blocks: int, iters: int) -> dict:
     src_ids = list(range(1, 2 * num_blocks, 2))             # scattered, as in a live pool
     dst_ids = list(range(2 * num_blocks - 2, -1, -2))
-    handoff, transfer, copy = [], [], []
+    handoff, transfer, copy, rtt = [], [], [], []
     transport = None
     for i in range(iters + WARMUP):
         first_copy = i % 2 == 1
@@ -189,10 +199,12 @@ def bench_handoff(ray, src, dst, dst_node: str, num_blocks: int, iters: int) -> 
         import_s = ray.get(dst.import_s.remote())
         if not first_copy:
             c = ray.get(dst.copy_s.remote())
+        t = ray.get(src.round_trip_s.remote(dst))
         if i >= WARMUP:
             handoff.append(r["total_s"])
             transfer.append(r["export_s"] + import_s)
             copy.append(c)
+            rtt.append(t)
         transport = r["transport"]
     same = abs(ray.get(dst.checksum.remote(dst_ids)) - ray.get(src.checksum.remote(src_ids))) < 1e-6 * max(
         1.0, abs(ray.get(src.checksum.remote(src_ids))))
@@ -200,25 +212,28 @@ def bench_handoff(ray, src, dst, dst_node: str, num_blocks: int, iters: int) -> 
     return {"transport": transport, "handoff_ms": _ms(handoff), "handoff_transfer_ms": _ms(transfer),
             "copy_ms": _ms(copy), "handoff_vs_copy": statistics.median(handoff) / statistics.median(copy),
             "handoff_vs_copy_ci95": [lo, hi],
-            "transfer_vs_copy": statistics.median(transfer) / statistics.median(copy), "bytes_equal": same}
+            "transfer_vs_copy": statistics.median(transfer) / statistics.median(copy),
+            "ray_round_trip_ms": _ms(rtt), "bytes_equal": same}
 
 
 async def _router_overhead(worker, router, iters: int) -> dict:
+    from actors.frame_stream import stream_frames
     from scheduler.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
+    async def consume(handle, req) -> None:
+        async with stream_frames(handle.generate.remote(req)) as frames:
+            async for _ in frames:
+                pass
+
     async def direct(i):
-        req = GenerateRequest(f"d{i}", ROUTER_MODEL, (5, 6, 7, 8), params)
-        async for ref in worker.generate.remote(req):
-            await ref
+        await consume(worker, GenerateRequest(f"d{i}", ROUTER_MODEL, (5, 6, 7, 8), params))
 
     async def routed(i):
         wid, handle = await router.pick.remote(ROUTER_MODEL)
-        req = GenerateRequest(f"r{i}", ROUTER_MODEL, (5, 6, 7, 8), params)
-        async for ref in handle.generate.remote(req):
-            await ref
+        await consume(handle, GenerateRequest(f"r{i}", ROUTER_MODEL, (5, 6, 7, 8), params))
         return wid
 
     d_times, r_times = [], []
@@ -344,7 +359,8 @@ def _print(r: dict) -> None:
             x = s[label]
             print(f"  {label:<26} handoff {x['handoff_ms']:7.2f} ms ({x['handoff_vs_copy']:.2f}x copy "
                   f"{x['copy_ms']:.2f} ms)  transfer {x['handoff_transfer_ms']:7.2f} ms "
-                  f"({x['transfer_vs_copy']:.2f}x)  bytes equal: {x['bytes_equal']}", file=out)
+                  f"({x['transfer_vs_copy']:.2f}x)  empty Ray round trip {x['ray_round_trip_ms']:.2f} ms  "
+                  f"bytes equal: {x['bytes_equal']}", file=out)
 
 
 if __name__ == "__main__":
