@@ -83,6 +83,7 @@ class KVHandoff:
             self.engine.end_detach(request_id, handed_off=False)
             return None
         self.exports[request_id] = desc
+        self.engine.metrics.handoff_started(request_id)
         return state, desc
 
     def keep(self, request_id: str) -> None:
@@ -98,6 +99,7 @@ class KVHandoff:
         try:
             self.transfers.release(desc)
         finally:
+            self.engine.metrics.handoff_finished(request_id, desc.model, desc.nbytes, handed_off)
             self.engine.end_detach(request_id, handed_off)
             self.num_handed_off += handed_off
 

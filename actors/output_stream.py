@@ -29,6 +29,7 @@ class OutputAssembler:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.num_prompt_tokens = request.num_prompt_tokens
+        self._searched = 0   # text before this was searched for stops (a match would have ended it)
 
     def resume(self, request: Request, num_sent_chars: int | None = None) -> None:
         """Continue a request whose output so far reached the caller from another worker:
@@ -47,7 +48,9 @@ class OutputAssembler:
         stopped = False
         end = len(text)
         if self.stops:
-            cut = find_stop(text, self.stops)
+            # only a stop string ending in the new text can be new: search from where one could start
+            cut = find_stop(text, self.stops, start=self._searched - self.holdback)
+            self._searched = len(text)
             if cut is not None:
                 end, stopped = cut, True
             elif not request.is_finished:
@@ -55,6 +58,6 @@ class OutputAssembler:
         delta = text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         finish = request.status.finish_reason if request.is_finished else None
-        frame = OutputFrame(request.request_id, list(new_ids), delta, list(times), finish,
+        frame = OutputFrame(request.request_id, new_ids, delta, times, finish,   # slices: already copies
                             num_prompt_tokens=self.num_prompt_tokens)
         return frame, stopped

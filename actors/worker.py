@@ -24,6 +24,7 @@ from actors.engine import Engine, EngineConfig
 from actors.frame_stream import FrameBuffer, error_frame
 from actors.handoff import HandoffRelay, KVHandoff
 from actors.kv_transfer import KVDescriptor, KVTransfers
+from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
                                 OutputFrame, RegisteredModel, WorkerStats)
 
@@ -111,6 +112,7 @@ class DeviceWorker:
         self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
         self.handoff = KVHandoff(self.engine, self.transfers)
         self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
+        self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
         self.started = time.time()
 
     async def ready(self) -> str:
@@ -172,6 +174,7 @@ class DeviceWorker:
 
     async def close(self) -> None:
         """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
+        self.metrics.stop()
         self.engine_loop.stop()
         self.transfers.close()
 
@@ -195,6 +198,9 @@ class DeviceWorker:
         engine = await self._on_engine(self.engine.stats)
         return WorkerStats(self.worker_id, self.node_id, engine, role=self.role, device=self.engine.config.device,
                            pid=os.getpid(), handoff=self.handoff.counts())
+
+    async def telemetry(self) -> dict:
+        return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`
 
     async def timeline(self) -> list[tuple]:
         return await self._on_engine(lambda: list(self.engine.timeline))

@@ -46,6 +46,11 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._quotas: dict[str, float] = {}
         self._last_model: str | None = None
 
+    @property
+    def quotas(self) -> dict[str, float]:
+        """Decode time quota of each model in the current round, seconds (inf: a batch alone)."""
+        return dict(self._quotas)
+
     def _choose(self, now: float) -> SchedulerOutput | None:
         output = (
             self._continue_group()
