@@ -50,8 +50,25 @@ def test_streams_frames_that_add_up_to_the_whole_output(worker):
         assert times == sorted(times)
         assert frames[-1].finish_reason == "length"
         assert all(f.worker_id == "w0" for f in frames)
-    # frames, not one message per token: with 6 requests interleaving, frames carry several tokens
-    assert sum(len(frames) for frames in results) < 6 * 40
+
+
+def test_a_consumer_that_falls_behind_gets_one_merged_frame_not_a_backlog():
+    """Whether a live consumer falls behind depends on the machine's load (so the worker test
+    above cannot assert it); what it then gets is fixed: one frame with every token so far."""
+    from actors.frame_stream import FrameBuffer
+    from scheduler.messages import OutputFrame
+
+    async def main():
+        buffer = FrameBuffer("w0")
+        for i in range(3):   # three engine steps while nobody reads
+            buffer.push(OutputFrame("r", [10 + i], f"t{i}", [float(i)]))
+        buffer.push(OutputFrame("r", [13], "t3", [3.0], finish_reason="length"))
+        return [f async for f in buffer.frames()]
+
+    (frame,) = asyncio.run(main())
+    assert frame.token_ids == [10, 11, 12, 13] and frame.text == "t0t1t2t3"
+    assert frame.token_times == [0.0, 1.0, 2.0, 3.0] and frame.finish_reason == "length"
+    assert frame.worker_id == "w0"
 
 
 def test_unknown_model_is_an_error_frame_naming_the_registered_ones(worker):
