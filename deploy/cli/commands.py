@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from deploy.cli.app_handles import cluster_handle, cluster_status  # re-exported: callers import them from here
 from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
 from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
@@ -171,15 +172,6 @@ def _namespaces_of(name: str) -> list[str]:
     return [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
 
 
-def cluster_handle(app_name: str = "tokenmux"):
-    """Serve handle of the app's TokenmuxCluster deployment (the topology's owner)."""
-    from ray import serve
-
-    from deploy.serve_app.app import CLUSTER_DEPLOYMENT
-
-    return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
-
-
 def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
     """Delete the app (its topology dies with its owner replica), then kill any tokenmux
     router/placement (and their workers) left in the app's namespace — or, when the app is
@@ -309,15 +301,6 @@ def _join(address: str | None) -> None:
     from cluster.ray_runtime import connect_or_start
 
     connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
-
-
-def cluster_status(app_name: str = "tokenmux") -> "ClusterStatus":
-    """The topology's status (workers, plan, router) from the app that owns it."""
-    from ray import serve
-
-    if app_name not in serve.status().applications:
-        raise ValueError(f"no Serve application {app_name!r} is running; start one with `tokenmux serve`")
-    return cluster_handle(app_name).status.remote().result(timeout_s=60)
 
 
 def format_status(status: "ClusterStatus") -> str:
