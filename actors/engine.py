@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from actors.device_memory import DeviceMemory, format_bytes
 from actors.engine_metrics import EngineRecorder
 from actors.host_cache import HostWeightCache
 from actors.kernel_path import KERNELS, KernelPath
-from actors.kv_pool import DeviceKVPool, HostKVPool, copy_blocks
+from actors.kv_pool import DeviceKVPool, HostKVPool, KVBlocks, copy_blocks
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.output_stream import OutputAssembler
@@ -32,14 +33,16 @@ from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
-from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
-from scheduler.policy_registry import make_policy
+from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, HandoffState, OutputFrame,
+                                RegisteredModel)
+from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
+from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+STEP_EMA_WEIGHT = 0.2   # of the newest decode step: follows a load change within ~5 steps
 
 
 @dataclass(frozen=True)
@@ -53,17 +56,21 @@ class EngineConfig:
     num_slots: int = 3                   # resident models + one prefetch slot
     slab_bytes: int = 4 * MiB            # KV pool granularity between models of different shapes
     host_kv_bytes: int = 256 * MiB       # host swap space for preempted KV (0 = recompute instead)
-    policy: str = "token"                # token | request | dedicated
+    policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
     timeline_len: int = 4096             # turns kept for stats/plots
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, oneDNN-packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
     kernels: str = "reference"
 
     def __post_init__(self) -> None:
-        if self.policy not in ("token", "request", "dedicated"):
-            raise ValueError(f"policy must be one of token, request, dedicated; got {self.policy!r}")
+        check_policy_name(self.policy)
+        if isinstance(self.scheduler, Mapping):   # kwargs that crossed a process as plain data
+            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler must be a SchedulerConfig or a mapping of its fields, got {self.scheduler!r}")
         if self.kv_bytes < self.slab_bytes:
             raise ValueError(f"kv_bytes ({format_bytes(self.kv_bytes)}) must hold at least one slab "
                              f"({format_bytes(self.slab_bytes)})")
@@ -99,7 +106,8 @@ class Engine:
         self.host_blocks = BlockManager(host_slabs, config.slab_bytes) if host_slabs else None
         self.slots = WeightSlots(self.memory, host_cache or HostWeightCache())
         self.estimator = StepLatencyEstimator()
-        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator)
+        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
+                                                    config.scheduler)
         self.sampler = Sampler()
         self.kernel_path = KernelPath(config.kernels, self.device.type)
         self.models: dict[str, LoadedModel] = {}
@@ -109,7 +117,10 @@ class Engine:
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
-        self.held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
+        self.decode_step_s = 0.0                      # EMA of a decode step's wall time, all models
+        self.decode_step_s_by_model: dict[str, float] = {}
+        self._held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
+        self._hold_after_prefill: set[str] = set()   # detach these the step their first token comes out
         self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
 
     # -- models ---------------------------------------------------------------------------
@@ -144,22 +155,33 @@ class Engine:
         (placement retries once they have finished)."""
         self._model(name)
         live = sum(r.model == name for r in self.requests.values()) + \
-            sum(r.model == name for r, _ in self.held.values())
+            sum(r.model == name for r, _ in self._held.values())
         if live:
             raise ValueError(f"model {name!r} still has {live} unfinished requests on this worker")
         self.policy.remove_model(name)
         del self.models[name]
 
-    def model_info(self, name: str) -> dict:
+    def model_info(self, name: str) -> RegisteredModel:
         m = self._model(name)
-        return {"name": name, "path": str(m.spec.path), "architecture": m.spec.architecture,
-                "max_context": m.spec.max_position_embeddings, "weight_bytes": m.layout.total_bytes,
-                "kv_block_bytes": _kv_shape(m.spec, m.dtype).block_bytes}
+        return RegisteredModel(name, str(m.spec.path), m.spec.architecture, m.spec.max_position_embeddings,
+                               m.layout.total_bytes, _kv_shape(m.spec, m.dtype).block_bytes)
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_request(self, req: GenerateRequest) -> None:
-        """Accept a request or raise ValueError naming the problem; nothing accepted is lost."""
+    def add_request(self, req: GenerateRequest, hold_after_prefill: bool = False) -> None:
+        """Accept a request or raise ValueError naming the problem; nothing accepted is lost.
+
+        hold_after_prefill: a prefill worker's request for a KV handoff. The step that makes its
+        first token also detaches it (as `detach` does), so it never decodes here while the
+        handoff is decided, however fast the steps are; `detach` then returns it and
+        `end_detach` frees it or lets it go on here."""
+        request = self._new_request(req)
+        self.policy.add_request(request)
+        if hold_after_prefill:
+            self._hold_after_prefill.add(req.request_id)
+
+    def _new_request(self, req: GenerateRequest) -> Request:
+        """Check a request and hold it with its output state; the caller hands it to the policy."""
         m = self._model(req.model)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
@@ -180,15 +202,17 @@ class Engine:
         request = Request.from_generate_request(req, m.spec.eos_token_ids)
         self.requests[req.request_id] = request
         self.outputs[req.request_id] = OutputAssembler(m.tokenizer, request, self.device)
-        self.policy.add_request(request)
+        return request
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """Cancel a request and free its KV; False when it is unknown or already finished."""
+        if request_id in self._held:   # detached, its handoff undecided: drop it with its blocks
+            self.end_detach(request_id, handed_off=True)
+            return True
         if request_id not in self.requests:
             return False
         self.policy.abort_request(request_id, status)
-        self.requests.pop(request_id, None)
-        self.outputs.pop(request_id, None)
+        self._forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -210,8 +234,22 @@ class Engine:
         self.policy.set_resident(self.slots.resident())
         frames = self._emit(output, finished)
         self.metrics.on_step(output, switch_s, start)
+        if self._hold_after_prefill:
+            self._hold_prefilled(output)
         self._account(output, start, run_start, run_s)
         return frames
+
+    def _hold_prefilled(self, output: SchedulerOutput) -> None:
+        """Detach the requests of this step that asked for it and now have their first token."""
+        for r in output.requests:
+            request = self.requests.get(r.request_id)
+            if r.request_id not in self._hold_after_prefill:
+                continue
+            if request is None:   # it ended on its first token (or a stop string): nothing to hand off
+                self._hold_after_prefill.discard(r.request_id)
+            elif request.output_token_ids and request.status is RequestStatus.RUNNING:
+                self._hold_after_prefill.discard(r.request_id)
+                self._take_out(request)
 
     def _prepare(self, output: SchedulerOutput) -> float:
         """Weights of output.model in a slot, KV swaps done, next model prefetching."""
@@ -264,83 +302,94 @@ class Engine:
             frames.append(OutputFrame(request_id, finish_reason=FINISH_ERROR, error=message))
         return frames
 
-    # -- KV handoff (actors/handoff.py drives these on the engine thread, between steps) -----
+    # -- KV handoff verbs (actors/handoff.py calls them on the engine thread, between steps) --
 
-    def detach(self, request_id: str) -> Request | None:
-        """Take a RUNNING request out of scheduling; its KV blocks stay allocated (held) for export.
+    def detach(self, request_id: str) -> tuple[HandoffState, KVBlocks] | None:
+        """Take a RUNNING request out of scheduling, its KV blocks held for export: returns its
+        state and the blocks of its computed tokens. None when it has no KV on the device now
+        (queued, swapped out, finished). Follow with end_detach."""
+        self._hold_after_prefill.discard(request_id)   # decided now, held or not
+        if request_id in self._held:   # held after its prefill (add_request(hold_after_prefill=True))
+            request, assembler = self._held[request_id]
+        else:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
+                return None
+            assembler = self._take_out(request)
+        n = request.num_computed_tokens
+        state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
+                                             request.sampling_params, request.slo, request.arrival_time),
+                             tuple(request.output_token_ids), tuple(request.token_times), n, assembler.num_sent_chars)
+        return state, self._kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
 
-        None when it has no KV on the device now (queued, swapped out, finished). Follow with
-        release_held (handed off) or reattach (continue here)."""
-        request = self.requests.get(request_id)
-        if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
-            return None
-        self.policy.detach_request(request_id)
-        self.held[request_id] = (self.requests.pop(request_id), self.outputs.pop(request_id))
-        return request
+    def _take_out(self, request: Request) -> OutputAssembler:
+        self.policy.detach_request(request.request_id)
+        assembler = self.outputs.pop(request.request_id)
+        self._held[request.request_id] = (self.requests.pop(request.request_id), assembler)
+        return assembler
 
-    def release_held(self, request_id: str) -> None:
-        """The held request was handed off: free its blocks."""
-        request, _ = self.held.pop(request_id)
-        self.blocks.free(_kv_shape(self.models[request.model].spec, self.models[request.model].dtype),
-                         request.block_ids)
-
-    def reattach(self, request_id: str) -> None:
-        """A handoff did not happen: the held request continues here, KV untouched."""
-        request, assembler = self.held.pop(request_id)
+    def end_detach(self, request_id: str, handed_off: bool) -> None:
+        """handed_off: another worker has the KV, free the blocks. Else the request continues
+        here where it was, KV untouched. A no-op for a request no longer held (aborted meanwhile)."""
+        self._hold_after_prefill.discard(request_id)
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return
+        request, assembler = held
+        if handed_off:
+            m = self.models[request.model]
+            self.blocks.free(_kv_shape(m.spec, m.dtype), request.block_ids)
+            return
         self.requests[request_id], self.outputs[request_id] = request, assembler
         self.policy.reattach_request(request)
 
-    def kv_views(self, model: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pool as blocks of `model`: (view `[slabs, per_slab, L, 2, 16, H, D]`, grid
-        `[slabs * per_slab, L, 2, 16, H, D]` indexed by block id, or None when slabs have a tail)."""
-        m = self._model(model)
-        view = self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype)
-        grid = None
-        if self.config.slab_bytes % _kv_shape(m.spec, m.dtype).block_bytes == 0:
-            grid = view.view(view.shape[0] * view.shape[1], *view.shape[2:])
-        return view, grid
-
-    def add_prefilled(self, req: GenerateRequest, output_token_ids: list[int], token_times: list[float],
-                      num_computed_tokens: int, fill=None, num_sent_chars: int | None = None) -> bool:
+    def adopt(self, state: HandoffState, fill: Callable[[KVBlocks], None] | None = None) -> bool:
         """Continue a request another worker started: its output so far, and the KV of its first
-        num_computed_tokens tokens written by `fill(dst_block_ids)` into blocks allocated here.
+        state.num_computed_tokens tokens, which `fill(blocks)` writes into blocks allocated here.
 
         True: the KV was adopted and the request decodes on. False (no room, no fill, or fill
         raised): it is queued to recompute prompt + output in one prefill; nothing is lost.
-        Tokens in output_token_ids are not emitted again; ValueError on bad input."""
-        self.add_request(req)
-        request, assembler = self.requests[req.request_id], self.outputs[req.request_id]
-        if not output_token_ids or not 0 <= num_computed_tokens < request.num_prompt_tokens + len(output_token_ids):
-            self.abort(req.request_id)
+        Tokens already output are not emitted again; ValueError on bad input."""
+        req, n = state.request, state.num_computed_tokens
+        request = self._new_request(req)
+        if not state.output_token_ids or not n < request.num_prompt_tokens + len(state.output_token_ids):
+            self._forget(req.request_id)
             raise ValueError(f"request {req.request_id!r}: need >= 1 output token and num_computed_tokens below "
-                             f"prompt + output, got {len(output_token_ids)} and {num_computed_tokens}")
-        request.output_token_ids = [int(t) for t in output_token_ids]
-        request.token_times = list(token_times)
-        request.first_token_time = token_times[0] if token_times else self.clock()
-        assembler.num_sent_tokens = len(request.output_token_ids)
-        assembler.detokenizer.step(request.output_token_ids)
-        assembler.num_sent_chars = len(assembler.detokenizer.text) if num_sent_chars is None else num_sent_chars
+                             f"prompt + output, got {len(state.output_token_ids)} and {n}")
+        request.output_token_ids = list(state.output_token_ids)
+        request.token_times = list(state.token_times)
+        request.first_token_time = state.token_times[0] if state.token_times else self.clock()
+        self.outputs[req.request_id].resume(request, state.num_sent_chars)
         status = request.check_stop(request.output_token_ids[-1])
         if status is not None:   # it had already ended; nothing to decode
-            self.abort(req.request_id, status)
+            self._forget(req.request_id)
             raise ValueError(f"request {req.request_id!r} had already finished ({status.finish_reason})")
-        if fill is None or not num_computed_tokens:
-            return False
         m = self.models[req.model]
-        ids = self.blocks.allocate(_kv_shape(m.spec, m.dtype), blocks_for_tokens(num_computed_tokens))
-        if ids is None:
-            return False
+        shape = _kv_shape(m.spec, m.dtype)
+        ids = self.blocks.allocate(shape, blocks_for_tokens(n)) if fill is not None and n else None
+        if ids is not None:
+            try:
+                fill(self._kv_blocks(req.model, ids))
+                self.policy.adopt_request(request, ids, n)
+                return True
+            except Exception as exc:   # KVTransferError, a dead sender, a layout mismatch: recompute
+                logger.warning("KV import of %s failed (%s); recomputing its prefix", req.request_id, exc)
+                self.blocks.free(shape, ids)
         try:
-            fill(ids)
-        except Exception as exc:   # KVTransferError, a dead sender, a layout mismatch: recompute
-            logger.warning("KV import of %s failed (%s); recomputing its prefix", req.request_id, exc)
-            self.blocks.free(_kv_shape(m.spec, m.dtype), ids)
-            return False
-        self.policy.waiting[req.model].remove(request)
-        request.block_ids, request.num_computed_tokens = ids, num_computed_tokens
-        request.status = RequestStatus.RUNNING
-        self.policy._insert_running(request)
-        return True
+            self.policy.add_request(request)
+        except ValueError:
+            self._forget(req.request_id)
+            raise
+        return False
+
+    def _kv_blocks(self, model: str, block_ids: list[int]) -> KVBlocks:
+        m = self.models[model]
+        return KVBlocks(self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype), tuple(block_ids))
+
+    def _forget(self, request_id: str) -> None:
+        self._hold_after_prefill.discard(request_id)
+        self.requests.pop(request_id, None)
+        self.outputs.pop(request_id, None)
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -349,29 +398,27 @@ class Engine:
         self.num_steps += 1
         self.forward_seconds += run_s
         self.step_seconds += end - start
+        if not output.is_prefill:   # what a queued request waits per step: the router's step time
+            self.decode_step_s = _ema(self.decode_step_s, end - start)
+            self.decode_step_s_by_model[output.model] = _ema(self.decode_step_s_by_model.get(output.model, 0.0),
+                                                             end - start)
         now = self.clock()
         self.timeline.append((output.model, now - (end - start), now, output.is_prefill))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         queue_depth: dict[str, int] = {}
         running: dict[str, int] = {}
         for r in self.requests.values():
             target = running if r.status == RequestStatus.RUNNING else queue_depth
             target[r.model] = target.get(r.model, 0) + 1
-        return {
-            "registered": sorted(self.models),
-            "resident": sorted(self.slots.resident()),
-            "num_slots": self.memory.num_slots,
-            "slot_bytes": self.memory.slot_bytes,
-            "budget_bytes": self.memory.total_bytes,
-            "queue_depth": queue_depth,
-            "running": running,
-            "kv_free_frac": self.blocks.usage()["num_free_slabs"] / max(1, self.blocks.num_slabs),
-            "num_steps": self.num_steps,
-            "forward_seconds": self.forward_seconds,
-            "step_seconds": self.step_seconds,
-            "weights": self.slots.stats(),
-        }
+        return EngineStats(
+            registered=tuple(sorted(self.models)), resident=tuple(sorted(self.slots.resident())),
+            num_slots=self.memory.num_slots, slot_bytes=self.memory.slot_bytes,
+            budget_bytes=self.memory.total_bytes, queue_depth=queue_depth, running=running,
+            kv_free_frac=self.blocks.usage()["num_free_slabs"] / max(1, self.blocks.num_slabs),
+            num_steps=self.num_steps, forward_seconds=self.forward_seconds, step_seconds=self.step_seconds,
+            decode_step_s=self.decode_step_s, decode_step_s_by_model=dict(self.decode_step_s_by_model),
+            alpha=self.policy.last_alpha, weights=self.slots.stats())
 
     def _model(self, name: str) -> LoadedModel:
         m = self.models.get(name)
@@ -383,6 +430,11 @@ class Engine:
         m = self.models[self.requests[request_id].model]
         shape = _kv_shape(m.spec, m.dtype)
         return self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
+
+
+def _ema(previous: float, sample: float) -> float:
+    """Exponential moving average of step times; the first sample is taken as it is."""
+    return sample if previous == 0.0 else previous + STEP_EMA_WEIGHT * (sample - previous)
 
 
 def _kv_shape(spec: ModelSpec, dtype: torch.dtype):

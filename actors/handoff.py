@@ -1,22 +1,33 @@
 """Prefill/decode disaggregation: a prefill worker hands a request's KV to a decode worker.
 
-The stream path. The caller keeps ONE stream, the one it opened on the worker the router
-picked (`worker.generate`); the router is asked once per request, never per token:
+The caller keeps ONE stream, the one it opened on the worker the router picked
+(`worker.generate`); the router is asked once per request, never per token:
 
-    caller <-frames- prefill worker.generate <-frames- decode worker.generate_prefilled
-                      |  prefill, first frame               ^  import KV into its pool,
-                      |  router.pick_decode (once)          |  ack, then decode frames
-                      +-- detach + export KV -- descriptor -+
+    caller <-frames- prefill worker.generate <-frames- decode worker.generate_prefilled(request_id)
+                      |  prefill, first frame               ^
+                      |  router.pick_decode (once)          |  decode frames
+                      +-- detach + export KV --> decode worker.adopt_prefilled(state, descriptor)
+                                             <-- HandoffAck    (KV imported into its pool)
 
-After the prefill step's first frame, a worker in role "prefill" picks a decode worker
-(`router.pick_decode`), takes the request out of its own scheduling (its KV blocks stay
-held), exports them through the transport `choose_transport(src node, dst node, device)`
-picks (shm on one CPU node, object store across nodes, CUDA IPC on one GPU node) and
-calls `generate_prefilled(state, descriptor)` on the decode worker. That stream first
-answers an ack (KV adopted, or queued for recompute), after which the prefill worker frees
-the held blocks, then the decode frames, which the prefill worker relays to the caller
-unchanged (frames carry the decode worker's id). One extra actor hop per frame, not per
-token, and the caller, the ingress and the router never learn a handoff happened.
+Two halves. `KVHandoff` runs on a worker's engine thread, between steps, and reaches the
+engine only through its verbs (detach, end_detach, adopt) and the KV only through
+KVTransfers (actors/kv_transfer.py). `HandoffRelay` is the async protocol a prefill worker
+owns; it needs the engine-thread call, the router and the request's FrameBuffer, nothing
+else of the worker. The KV descriptor rides on the decode dispatch (`adopt_prefilled(state,
+desc)`), which answers the ack: one plain round trip moves the KV (a streaming call's first
+item measured ~0.5-1 ms slower here, and a stream opened alongside the dispatch ~0.5 ms),
+and the prefill worker frees its blocks as soon as the ack says the receiver has them. The
+frame stream (`generate_prefilled(request_id)`) is opened the moment the ack arrives, with
+no await in between, so no cancellation can leave the adopted request without a consumer
+(its frames wait in the decode worker's buffer; a decode worker aborts an adopted request
+whose stream never comes, e.g. because the prefill worker died). The decode frames are relayed to the caller unchanged (they carry the decode
+worker's id): one extra hop per frame, not per token, and the caller, the ingress and the
+router never learn a handoff happened.
+
+A request a prefill worker will hand off is held from the step that makes its first token
+(`Engine.add_request(hold_after_prefill=True)`): it never decodes there while the router is
+asked and the KV moves, so a fast engine cannot finish it locally first; without a decode
+worker it is let go on where it was (`KVHandoff.keep`).
 
 Nothing is lost on failure. No decode worker, a failed export or a decode worker that
 fails before its ack: the held request continues on the prefill worker, KV untouched.
@@ -29,219 +40,176 @@ sampling are.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import time
-from dataclasses import asdict, dataclass
+from typing import Any, AsyncIterator, Callable
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, choose_transport, make_transport
-from scheduler.kv_blocks import blocks_for_tokens
-from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+from actors.frame_stream import FrameBuffer, error_frame, stream_frames
+from actors.kv_transfer import KVDescriptor, KVTransfers
+from scheduler.messages import DecodeTarget, GenerateRequest, HandoffCounts, HandoffState, OutputFrame
 
 logger = logging.getLogger(__name__)
 
 ACK_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class HandoffState:
-    """What travels with the KV descriptor: the request and its output so far."""
-
-    request: dict                 # GenerateRequest.to_dict()
-    output_token_ids: list[int]
-    token_times: list[float]
-    num_computed_tokens: int      # tokens whose KV the descriptor carries
-    num_sent_chars: int           # text already streamed to the caller
-
-
 class KVHandoff:
-    """One per worker process: its transports (made on first use) and the export/import steps.
+    """The engine-thread half: detach + export on the sender, adopt on the receiver."""
 
-    export/adopt run on the engine thread (between steps), so the pool does not change under them.
-    """
-
-    def __init__(self, worker_id: str, node_id: str, device_kind: str):
-        self.worker_id = worker_id
-        self.node_id = node_id
-        self.device_kind = device_kind
-        self.transports: dict[str, KVTransport] = {}
-        self.exports: dict[str, tuple[KVTransport, KVDescriptor]] = {}
+    def __init__(self, engine, transfers: KVTransfers):
+        self.engine = engine
+        self.transfers = transfers
+        self.exports: dict[str, KVDescriptor] = {}   # exported, waiting for the receiver's ack
         self.num_handed_off = 0
         self.num_adopted = 0
         self.num_recomputed = 0
 
-    def transport(self, name: str) -> KVTransport:
-        if name not in self.transports:
-            self.transports[name] = make_transport(name)
-        return self.transports[name]
+    def counts(self) -> HandoffCounts:
+        return HandoffCounts(self.num_handed_off, self.num_adopted, self.num_recomputed)
 
-    def shared_kv_region(self, nbytes: int):
-        """A node-shared uint8 buffer `[nbytes]` for the KV pool: shm handoffs then export without a copy."""
-        return self.transport("shm").allocate_region(nbytes)
+    # ---- sender ------------------------------------------------------------------------
 
-    # ---- sender (engine thread) --------------------------------------------------------
-
-    def detach_and_export(self, engine, request_id: str, dst_node_id: str) -> tuple[HandoffState, KVDescriptor] | None:
+    def detach_and_export(self, request_id: str, dst_node_id: str) -> tuple[HandoffState, KVDescriptor] | None:
         """Detach the request and export its KV; None when it cannot be (it then stays here)."""
-        request = engine.detach(request_id)
-        if request is None:
+        detached = self.engine.detach(request_id)
+        if detached is None:
             return None
+        state, blocks = detached
         try:
-            name = choose_transport(self.node_id, dst_node_id, self.device_kind)
-            m = engine.models[request.model]
-            n = request.num_computed_tokens
-            desc = KVDescriptor(request_id, request.model, m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim,
-                                str(m.dtype).removeprefix("torch."), tuple(request.block_ids[:blocks_for_tokens(n)]),
-                                n, src_node_id=self.node_id, src_worker_id=self.worker_id)
-            view, grid = engine.kv_views(request.model)
-            transport = self.transport(name)
-            if grid is not None:
-                desc = transport.export(grid, desc, from_pool=True)
-            else:
-                from actors.kv_pool import block_index
-
-                desc = transport.export(view[block_index(view, list(desc.block_ids))], desc)
+            desc = self.transfers.export(request_id, state.request.model, blocks, state.num_computed_tokens,
+                                         dst_node_id)
         except Exception as exc:   # KVTransferError, object store full, ...: keep it here
             logger.warning("handoff of %s: export failed (%s); continuing locally", request_id, exc)
-            engine.reattach(request_id)
+            self.engine.end_detach(request_id, handed_off=False)
             return None
-        self.exports[request_id] = (transport, desc)
-        engine.metrics.handoff_started(request_id)
-        assembler = engine.held[request_id][1]
-        state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
-                                             request.sampling_params, request.slo, request.arrival_time).to_dict(),
-                             list(request.output_token_ids), list(request.token_times), n,
-                             assembler.num_sent_chars)
+        self.exports[request_id] = desc
+        self.engine.metrics.handoff_started(request_id)
         return state, desc
 
-    def finish_export(self, engine, request_id: str, handed_off: bool) -> None:
-        """Receiver done with the KV: free it (handed off) or let the request continue here."""
-        transport, desc = self.exports.pop(request_id)
+    def keep(self, request_id: str) -> None:
+        """No decode worker for a request held after its prefill: it decodes on here."""
+        self.engine.end_detach(request_id, handed_off=False)
+
+    def end_export(self, request_id: str, handed_off: bool) -> None:
+        """The receiver has the KV (free it here) or will not get it (the request continues here).
+        A second call for the same request is a no-op."""
+        desc = self.exports.pop(request_id, None)
+        if desc is None:
+            return
         try:
-            transport.release(desc)
+            self.transfers.release(desc)
         finally:
-            engine.metrics.handoff_finished(request_id, desc.model, desc.nbytes, handed_off)
-            if handed_off:
-                engine.release_held(request_id)
-                self.num_handed_off += 1
-            else:
-                engine.reattach(request_id)
+            self.engine.metrics.handoff_finished(request_id, desc.model, desc.nbytes, handed_off)
+            self.engine.end_detach(request_id, handed_off)
+            self.num_handed_off += handed_off
 
-    # ---- receiver (engine thread) ------------------------------------------------------
+    # ---- receiver ----------------------------------------------------------------------
 
-    def adopt(self, engine, state: HandoffState, desc: KVDescriptor | None) -> bool:
+    def adopt(self, state: HandoffState, desc: KVDescriptor | None) -> bool:
         """Queue the request on this engine with its KV (True) or for recompute (False)."""
-        req = GenerateRequest.from_dict(state.request)
-
-        def fill(dst_block_ids: list[int]) -> None:
-            transport = self.transport(desc.transport)
-            view, grid = engine.kv_views(req.model)
-            if grid is not None:
-                transport.import_(desc, out=grid, dst_block_ids=dst_block_ids)
-            else:
-                from actors.kv_pool import block_index
-
-                view[block_index(view, dst_block_ids)] = transport.import_(desc).to(view.device)
-
-        if desc is not None and (desc.model != req.model or desc.num_tokens != state.num_computed_tokens):
+        if desc is not None and (desc.model != state.request.model or desc.num_tokens != state.num_computed_tokens):
             raise ValueError(f"descriptor of {desc.request_id!r} does not match the request it came with")
-        adopted = engine.add_prefilled(req, state.output_token_ids, state.token_times, state.num_computed_tokens,
-                                       fill if desc is not None else None, state.num_sent_chars)
+        fill = None if desc is None else (lambda blocks: self.transfers.import_(desc, blocks))
+        adopted = self.engine.adopt(state, fill)
         if adopted:
             self.num_adopted += 1
         else:
             self.num_recomputed += 1
         return adopted
 
-    def close(self) -> None:
-        for transport in self.transports.values():
-            transport.close()
 
+class HandoffRelay:
+    """The async half, owned by a prefill worker: hand one request off and relay its frames.
 
-async def relay_handoff(worker, request: GenerateRequest, stream):
-    """Async generator run by a prefill worker's generate() after the first frame.
-
-    Yields frame dicts for the caller until the request finishes. Yields nothing (and
-    returns) when no handoff happened: the caller's loop then goes on with the local stream.
+    call(fn, *args) runs fn on the worker's engine thread and returns a concurrent Future;
+    router() gives the GlobalRouter handle.
     """
-    params = request.sampling_params
-    if not params.greedy and params.seed is not None:
-        return
-    try:
-        router = worker.get_router()
-        dst_id, dst = await router.pick_decode.remote(request.model, asdict(request.slo))
-        if dst_id == worker.worker_id:
+
+    def __init__(self, worker_id: str, call: Callable[..., concurrent.futures.Future], router: Callable[[], Any],
+                 kv: KVHandoff):
+        self.worker_id = worker_id
+        self.call = call
+        self.router = router
+        self.kv = kv
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    def decode_target(self, request: GenerateRequest) -> asyncio.Task | None:
+        """Ask the router for the request's decode worker while its prefill runs (so the answer
+        is there when the first frame is); None when the request is never handed off. A request
+        with a task is added with hold_after_prefill: it waits, detached, for relay()."""
+        params = request.sampling_params
+        if not params.greedy and params.seed is not None:
+            return None
+        return asyncio.get_running_loop().create_task(self._decode_target(request))
+
+    async def relay(self, request: GenerateRequest, buffer: FrameBuffer,
+                    target_task: asyncio.Task) -> AsyncIterator[OutputFrame]:
+        """Run by a prefill worker's generate() after the first frame, with decode_target's task.
+
+        Yields frames for the caller until the request finishes. Yields nothing (and returns)
+        when no handoff happened: the caller's loop then goes on with the local frames.
+        """
+        target = await target_task
+        if target is None:
+            await self._on_engine(self.kv.keep, request.request_id)
             return
-        dst_node = await worker.peer_node(dst_id, dst)
-    except Exception as exc:   # no router, no decode worker: decode here
-        logger.info("handoff of %s: no decode worker (%s); decoding locally", request.request_id, exc)
-        return
-    call = worker.engine_loop.call
-    exported = await asyncio.wrap_future(call(worker.handoff.detach_and_export, worker.engine,
-                                              request.request_id, dst_node))
-    if exported is None:
-        return
-    state, desc = exported
-    sent_tokens = list(state.output_token_ids)
-    sent_chars = state.num_sent_chars
-    if stream.pending is not None:   # tokens made between the first frame and the detach
-        frame = stream.take()
-        frame.worker_id = worker.worker_id
-        yield asdict(frame)
-    started = time.perf_counter()
-    gen = dst.generate_prefilled.remote(asdict(state), desc)
-    acked = False
-    try:
-        try:
-            ack = await asyncio.wait_for(gen.__anext__(), ACK_TIMEOUT_S)
-            ack = await ack
-            if ack.get("error"):
-                raise ValueError(ack["error"])
-        except Exception as exc:   # decode worker dead, refused the model, too slow
-            logger.warning("handoff of %s to %s failed before the KV moved (%s); decoding locally",
-                           request.request_id, dst_id, exc)
-            await asyncio.wrap_future(call(worker.handoff.finish_export, worker.engine, request.request_id, False))
-            acked = True   # nothing of ours is left held
+        exported = await self._on_engine(self.kv.detach_and_export, request.request_id, target.node_id)
+        if exported is None:
             return
-        acked = True
-        await asyncio.wrap_future(call(worker.handoff.finish_export, worker.engine, request.request_id, True))
-        logger.debug("handoff of %s to %s in %.1f ms (%s, adopted=%s)", request.request_id, dst_id,
-                     1e3 * (time.perf_counter() - started), desc.transport, ack.get("adopted"))
+        state, desc = exported
+        if buffer.pending is not None:   # tokens made between the first frame and the detach
+            yield buffer.take()
+        resolved = False
+        sent_tokens, sent_chars = list(state.output_token_ids), state.num_sent_chars
         try:
-            async for ref in gen:
-                frame = await ref
-                sent_tokens += frame["token_ids"]
-                sent_chars += len(frame["text"])
-                stream.finished = frame["finish_reason"] is not None
-                yield frame
-                if stream.finished:
-                    return
-        except Exception as exc:
-            logger.warning("decode worker %s failed mid-stream for %s (%s); recomputing here",
-                           dst_id, request.request_id, exc)
-        # The decode stream broke: recompute what was relayed and decode the rest here.
-        retry = HandoffState(state.request, sent_tokens, [], 0, sent_chars)
-        try:
-            await asyncio.wrap_future(call(worker.handoff.adopt, worker.engine, retry, None))
-        except ValueError as exc:
-            stream.finished = True
-            yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
-                                     worker_id=worker.worker_id))
-            return
-        async for frame in stream.frames(worker.worker_id):
-            yield frame
-    finally:
-        if not stream.finished:
+            # The descriptor rides on the dispatch, whose answer is the ack: one plain round trip.
+            ack_ref = target.handle.adopt_prefilled.remote(state, desc)
+            del desc   # the dispatch holds it now (an object-store ref must not outlive the receiver's use)
             try:
-                import ray
+                ack = await asyncio.wait_for(ack_ref, ACK_TIMEOUT_S)
+                if ack.error:
+                    raise ValueError(ack.error)
+            except Exception as exc:   # decode worker dead, refused the model, too slow
+                logger.warning("handoff of %s to %s failed before the KV moved (%s); decoding locally",
+                               request.request_id, target.worker_id, exc)
+                resolved = True
+                await self._on_engine(self.kv.end_export, request.request_id, False)
+                return
+            # The frame stream, opened with no await after the ack (so no cancellation can leave the
+            # adopted request without a consumer); its frames wait in the decode worker's buffer.
+            async with stream_frames(target.handle.generate_prefilled.remote(request.request_id)) as decode:
+                resolved = True
+                await self._on_engine(self.kv.end_export, request.request_id, True)
+                try:
+                    async for frame in decode:
+                        sent_tokens += frame.token_ids
+                        sent_chars += len(frame.text)
+                        yield buffer.sent(frame)
+                        if frame.finished:
+                            return
+                except Exception as exc:
+                    logger.warning("decode worker %s failed mid-stream for %s (%s); recomputing here",
+                                   target.worker_id, request.request_id, exc)
+            # The decode stream broke: recompute what was relayed and decode the rest here.
+            retry = HandoffState(state.request, tuple(sent_tokens), (), 0, sent_chars)
+            try:
+                await self._on_engine(self.kv.adopt, retry, None)
+            except ValueError as exc:
+                yield buffer.sent(error_frame(request.request_id, self.worker_id, exc))
+                return
+            async for frame in buffer.frames():
+                yield frame
+        finally:
+            if not resolved:   # the caller left before the ack: the request continues (and is aborted) here
+                self.call(self.kv.end_export, request.request_id, False)
 
-                ray.cancel(gen)   # the caller left: the decode worker aborts its copy
-            except Exception:
-                pass
-        if not acked:   # the caller left before the ack: free what we hold
-            worker.engine_loop.call(_finish_quietly, worker, request.request_id)
+    async def _decode_target(self, request: GenerateRequest) -> DecodeTarget | None:
+        try:
+            target = await self.router().pick_decode.remote(request.model, request.slo)
+        except Exception as exc:   # no router, no decode worker: decode here
+            logger.info("handoff of %s: no decode worker (%s); decoding locally", request.request_id, exc)
+            return None
+        return None if target.worker_id == self.worker_id else target
 
-
-def _finish_quietly(worker, request_id: str) -> None:
-    if request_id in worker.handoff.exports:
-        worker.handoff.finish_export(worker.engine, request_id, False)
-    worker.engine.abort(request_id)

@@ -14,6 +14,8 @@ A block id g of shape S is block g % blocks_per_slab of slab g // blocks_per_sla
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from scheduler.kv_blocks import BLOCK_SIZE, KVShape
@@ -100,3 +102,39 @@ def copy_blocks(src_view: torch.Tensor, src_ids: list[int], dst_view: torch.Tens
         return
     blocks = src_view[block_index(src_view, src_ids)]          # [n, L, 2, 16, H, D], one gather
     dst_view[block_index(dst_view, dst_ids)] = blocks.to(dst_view.device)   # one transfer, one scatter
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """Some blocks of one model's KV inside a pool, in token order: what a KV handoff reads or fills.
+
+    view: the pool as that model's blocks (`DeviceKVPool.view`), `[slabs, per_slab, L, 2, 16, H, D]`.
+    """
+
+    view: torch.Tensor
+    block_ids: tuple[int, ...]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.view.shape[2:])   # (L, 2, 16, H, D)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.view.dtype).removeprefix("torch.")
+
+    @property
+    def grid(self) -> torch.Tensor | None:
+        """The pool as `[slabs * per_slab, L, 2, 16, H, D]` indexed by block id; None when slabs
+        have a tail (then block ids are not evenly strided and only the 2-level view exists)."""
+        v = self.view
+        if v.stride(0) != v.shape[1] * v.stride(1):
+            return None
+        return v.view(v.shape[0] * v.shape[1], *v.shape[2:])
+
+    def gather(self) -> torch.Tensor:
+        """The blocks as one new `[n, L, 2, 16, H, D]` tensor."""
+        return self.view[block_index(self.view, list(self.block_ids))]
+
+    def scatter(self, blocks: torch.Tensor) -> None:
+        """Write `[n, L, 2, 16, H, D]` into the blocks, block i to block_ids[i]."""
+        self.view[block_index(self.view, list(self.block_ids))] = blocks.to(self.view.device)

@@ -1,14 +1,9 @@
-"""KV handoff: moving one request's KV blocks from a prefill worker to a decode worker.
+"""KV transfer between two workers' pools: which transport, and the export/import steps.
 
-    sender (prefill)                              receiver (decode)
-    desc = transport.export(kv, desc)    -- desc -->   transport.import_(desc, pool, dst_block_ids)
-    transport.release(desc)             <-- "done" --
-
-The descriptor says what the blocks are (model, layout, dtype, block ids, tokens) and
-where they are (transport name + handle fields); it travels as msgpack bytes, or as the
-dataclass itself through a Ray call when the transport needs an ObjectRef carried
-in-band (`refs`). The sender keeps the exported bytes alive until `release`; the caller
-releases only after the receiver has returned from `import_`.
+    sender (prefill)                                 receiver (decode)
+    desc = transfers.export(rid, model, blocks, ..)  -- desc rides on the decode dispatch -->
+                                                     transfers.import_(desc, its blocks)
+    transfers.release(desc)                          <-- ack --
 
 | where                 | transport                 | copies                                   |
 |-----------------------|---------------------------|------------------------------------------|
@@ -16,235 +11,21 @@ releases only after the receiver has returned from `import_`.
 | same node, CPU host   | SharedMemoryTransport     | one out of a shared KV region, else two  |
 | across nodes          | ObjectStoreTransport      | into the object store, out on the other  |
 
-Any failure to hand off raises KVTransferError; the caller then recomputes the prefix.
+The transports themselves are in actors/kv_transports/ (the descriptor and the interface
+in base.py); this module picks one per pair of workers and moves `KVBlocks` (a request's
+blocks inside a pool) through it. Any failure to hand off raises KVTransferError; the
+caller then recomputes the prefix.
 """
 from __future__ import annotations
 
-import dataclasses
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from actors.kv_pool import KVBlocks
+from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport
+from actors.kv_transports.cuda_ipc import CudaIPCTransport
+from actors.kv_transports.object_store import ObjectStoreTransport
+from actors.kv_transports.shared_memory import SharedMemoryTransport
 
-import msgpack
-import torch
-
-BLOCK_SIZE = 16
-DESCRIPTOR_VERSION = 1
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}
-_HANDLE_SCALARS = (str, int, float, bool, bytes, type(None))
-
-
-class KVTransferError(RuntimeError):
-    """The KV of a request could not be handed off; recompute it instead."""
-
-
-@dataclass(frozen=True)
-class KVDescriptor:
-    request_id: str
-    model: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str                       # a key of DTYPES
-    block_ids: tuple[int, ...]       # the sender's block ids, in token order
-    num_tokens: int
-    src_node_id: str = ""
-    src_worker_id: str = ""
-    transport: str = ""              # set by export
-    handle: dict = field(default_factory=dict)   # transport-specific, msgpack-able
-    block_size: int = BLOCK_SIZE
-    # ObjectRefs that must travel in-band (through Ray calls) with the descriptor; not
-    # part of to_bytes(), since a ref serialized out of band is pinned forever.
-    refs: tuple[Any, ...] = field(default=(), compare=False, repr=False)
-
-    def __post_init__(self):
-        for name in ("request_id", "model", "dtype", "src_node_id", "src_worker_id", "transport"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"KVDescriptor.{name} must be a str, got {getattr(self, name)!r}")
-        if not self.request_id or not self.model:
-            raise ValueError("KVDescriptor.request_id and KVDescriptor.model must be non-empty")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "num_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"KVDescriptor.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KVDescriptor.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if isinstance(self.block_ids, list):
-            object.__setattr__(self, "block_ids", tuple(self.block_ids))
-        if not isinstance(self.block_ids, tuple) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.block_ids):
-            raise ValueError(f"KVDescriptor.block_ids must be non-negative ints, got {self.block_ids!r}")
-        if len(set(self.block_ids)) != len(self.block_ids):
-            raise ValueError(f"KVDescriptor.block_ids has duplicates: {self.block_ids!r}")
-        needed = -(-self.num_tokens // self.block_size)
-        if len(self.block_ids) != needed:
-            raise ValueError(f"{self.num_tokens} tokens need {needed} blocks of {self.block_size}, "
-                             f"descriptor has {len(self.block_ids)}")
-        if not isinstance(self.handle, dict) or not all(
-                isinstance(k, str) and _msgpackable(v) for k, v in self.handle.items()):
-            raise ValueError(f"KVDescriptor.handle must map str to msgpack-able values, got {self.handle!r}")
-        if not isinstance(self.refs, tuple):
-            raise ValueError("KVDescriptor.refs must be a tuple")
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)   # [L, 2, 16, H, D]
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim \
-            * self.torch_dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    def with_handle(self, transport: str, handle: dict, refs: tuple = ()) -> KVDescriptor:
-        return dataclasses.replace(self, transport=transport, handle=handle, refs=refs)
-
-    def to_bytes(self) -> bytes:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "refs"}
-        fields["block_ids"] = list(self.block_ids)
-        return msgpack.packb({"v": DESCRIPTOR_VERSION, **fields}, use_bin_type=True)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> KVDescriptor:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ValueError(f"KV descriptor must be bytes, got {type(data).__name__}")
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as exc:   # msgpack raises several unrelated types for bad input
-            raise ValueError(f"malformed KV descriptor bytes: {exc}") from None
-        if not isinstance(obj, dict) or obj.get("v") != DESCRIPTOR_VERSION:
-            raise ValueError(f"not a version-{DESCRIPTOR_VERSION} KV descriptor")
-        obj.pop("v")
-        names = {f.name for f in dataclasses.fields(cls)} - {"refs"}
-        if set(obj) - names or {"request_id", "model", "block_ids"} - set(obj):
-            raise ValueError(f"KV descriptor fields {sorted(obj)} do not match {sorted(names)}")
-        if isinstance(obj.get("block_ids"), list):
-            obj["block_ids"] = tuple(obj["block_ids"])
-        try:
-            return cls(**obj)
-        except TypeError as exc:
-            raise ValueError(f"malformed KV descriptor: {exc}") from None
-
-
-class KVTransport(ABC):
-    """Sender and receiver side of one way to move KV blocks; one instance per process."""
-
-    name: ClassVar[str]
-
-    @classmethod
-    def available(cls) -> bool:
-        """Whether this transport can run in this process (libraries and devices present)."""
-        return True
-
-    @abstractmethod
-    def export(self, kv: torch.Tensor, desc: KVDescriptor, from_pool: bool = False) -> KVDescriptor:
-        """Make the request's blocks readable by a receiver; return desc with its handle.
-
-        kv: `[num_blocks, L, 2, 16, H, D]`, the request's blocks in desc.block_ids order;
-        or, with from_pool, the sender's whole pool `[pool_blocks, L, 2, 16, H, D]` that
-        desc.block_ids index. The blocks must not change until release(desc).
-        """
-
-    @abstractmethod
-    def import_(self, desc: KVDescriptor, out: torch.Tensor | None = None,
-                dst_block_ids: list[int] | None = None) -> torch.Tensor:
-        """Copy the blocks into `out` and return it (a new `[num_blocks, ...]` tensor if None).
-
-        Without dst_block_ids, out is `[num_blocks, L, 2, 16, H, D]`; with them, out is
-        the receiver's pool and block i of the request lands at out[dst_block_ids[i]].
-        """
-
-    @abstractmethod
-    def release(self, desc: KVDescriptor) -> None:
-        """Sender side: the receiver is done with desc; free what export kept alive."""
-
-    def close(self) -> None:
-        """Free everything this instance holds (mappings, staging, handles)."""
-
-
-def check_blocks(kv: torch.Tensor, desc: KVDescriptor, from_pool: bool) -> None:
-    """Reject a tensor whose layout does not match the descriptor, naming the mismatch."""
-    if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"KV blocks must be a torch.Tensor, got {type(kv).__name__}")
-    if kv.dim() != 6 or tuple(kv.shape[1:]) != desc.block_shape:
-        raise ValueError(f"KV blocks of shape {tuple(kv.shape)} do not match the descriptor's "
-                         f"[n, {', '.join(map(str, desc.block_shape))}]")
-    if kv.dtype != desc.torch_dtype:
-        raise ValueError(f"KV blocks are {kv.dtype}, the descriptor says {desc.dtype}")
-    if from_pool:
-        if max(desc.block_ids) >= kv.shape[0]:
-            raise ValueError(f"block id {max(desc.block_ids)} is outside a pool of {kv.shape[0]} blocks")
-    elif kv.shape[0] != desc.num_blocks:
-        raise ValueError(f"{kv.shape[0]} blocks given, the descriptor has {desc.num_blocks}")
-    if not kv[0].is_contiguous():
-        raise ValueError("each KV block must be contiguous (layout [n, L, 2, 16, H, D])")
-
-
-def destination(desc: KVDescriptor, out: torch.Tensor | None,
-                dst_block_ids: list[int] | None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Validate (or allocate) the tensor import_ writes into."""
-    if out is None:
-        if dst_block_ids is not None:
-            raise ValueError("dst_block_ids needs the destination pool as out")
-        return torch.empty((desc.num_blocks, *desc.block_shape), dtype=desc.torch_dtype, device=device)
-    if dst_block_ids is not None:
-        if len(dst_block_ids) != desc.num_blocks:
-            raise ValueError(f"{len(dst_block_ids)} destination blocks for {desc.num_blocks} source blocks")
-        check_blocks(out, dataclasses.replace(desc, block_ids=tuple(dst_block_ids)), from_pool=True)
-    else:
-        check_blocks(out, desc, from_pool=False)
-    return out
-
-
-def copy_into(out: torch.Tensor, src: torch.Tensor, dst_block_ids: list[int] | None) -> None:
-    """out[...] = src `[num_blocks, L, 2, 16, H, D]`, one copy (a scatter into a pool)."""
-    if dst_block_ids is None:
-        out.copy_(src)
-    elif out.device.type == "cpu":   # on a CPU, block-sized copies beat index_copy_ by ~2x
-        for i, dst in enumerate(dst_block_ids):
-            out[dst].copy_(src[i])
-    else:
-        out.index_copy_(0, torch.tensor(dst_block_ids, dtype=torch.long, device=out.device),
-                        src.to(out.device, non_blocking=True))
-
-
-def copy_from_offsets(src: torch.Tensor, offsets: list[int], desc: KVDescriptor, out: torch.Tensor,
-                      dst_block_ids: list[int] | None) -> None:
-    """Copy the blocks at byte `offsets` of `src` (uint8 `[nbytes]`) into out, block i to out[i] (or out[dst_block_ids[i]]).
-
-    A run of adjacent blocks is one copy; blocks on a common block grid are one gather on a
-    GPU (one kernel, not one per block); anything else goes block by block.
-    """
-    bb, lo = desc.block_bytes, min(offsets)
-    if all((off - lo) % bb == 0 for off in offsets):
-        span = (max(offsets) - lo) // bb + 1
-        grid = src[lo:lo + span * bb].view(desc.torch_dtype).view(span, *desc.block_shape)
-        rel = [(off - lo) // bb for off in offsets]
-        if rel == list(range(len(rel))):
-            copy_into(out, grid[:len(rel)], dst_block_ids)
-            return
-        if src.device.type == "cuda":
-            copy_into(out, grid.index_select(0, torch.tensor(rel, device=src.device)), dst_block_ids)
-            return
-    for i, off in enumerate(offsets):
-        block = src[off:off + bb].view(desc.torch_dtype).view(desc.block_shape)
-        out[i if dst_block_ids is None else dst_block_ids[i]].copy_(block)
+TRANSPORTS: dict[str, type[KVTransport]] = {
+    t.name: t for t in (SharedMemoryTransport, ObjectStoreTransport, CudaIPCTransport)}
 
 
 def choose_transport(src_node: str, dst_node: str, device_kind: str) -> str:
@@ -253,45 +34,73 @@ def choose_transport(src_node: str, dst_node: str, device_kind: str) -> str:
         raise ValueError(f"device_kind must be 'cuda' or 'cpu', got {device_kind!r}")
     if src_node != dst_node:
         return "object_store"
-    if device_kind == "cuda":
-        from actors.kv_transports.cuda_ipc import CudaIPCTransport
-
-        if CudaIPCTransport.available():
-            return "cuda_ipc"
+    if device_kind == "cuda" and CudaIPCTransport.available():
+        return "cuda_ipc"
     return "shm"
 
 
 def make_transport(name: str, **kwargs) -> KVTransport:
-    transports = _transport_classes()
-    if name not in transports:
-        raise ValueError(f"unknown KV transport {name!r}; known: {sorted(transports)}")
-    return transports[name](**kwargs)
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; known: {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name](**kwargs)
 
 
-def _transport_classes() -> dict[str, type[KVTransport]]:
-    from actors.kv_transports.cuda_ipc import CudaIPCTransport
-    from actors.kv_transports.object_store import ObjectStoreTransport
-    from actors.kv_transports.shared_memory import SharedMemoryTransport
+class KVTransfers:
+    """One per worker process: its transports (made on first use) and the KV export/import steps.
 
-    return {t.name: t for t in (SharedMemoryTransport, ObjectStoreTransport, CudaIPCTransport)}
+    Both steps run where the pool cannot change under them (a worker's engine thread, between steps).
+    """
+
+    def __init__(self, worker_id: str, node_id: str, device_kind: str):
+        self.worker_id = worker_id
+        self.node_id = node_id
+        self.device_kind = device_kind
+        self.transports: dict[str, KVTransport] = {}
+
+    def transport(self, name: str) -> KVTransport:
+        if name not in self.transports:
+            self.transports[name] = make_transport(name)
+        return self.transports[name]
+
+    def shared_kv_region(self, nbytes: int):
+        """A node-shared uint8 buffer `[nbytes]` for the KV pool: shm handoffs then export without a copy."""
+        return self.transport("shm").allocate_region(nbytes)
+
+    def export(self, request_id: str, model: str, blocks: KVBlocks, num_tokens: int,
+               dst_node_id: str) -> KVDescriptor:
+        """Make `blocks` readable by a worker on dst_node_id; they must not change until release."""
+        layers, _, _, kv_heads, head_dim = blocks.block_shape
+        desc = KVDescriptor(request_id, model, layers, kv_heads, head_dim, blocks.dtype_name, blocks.block_ids,
+                            num_tokens, src_node_id=self.node_id, src_worker_id=self.worker_id)
+        transport = self.transport(choose_transport(self.node_id, dst_node_id, self.device_kind))
+        grid = blocks.grid
+        if grid is not None:
+            return transport.export(grid, desc, from_pool=True)
+        return transport.export(blocks.gather(), desc)
+
+    def import_(self, desc: KVDescriptor, blocks: KVBlocks) -> None:
+        """Copy the descriptor's KV into `blocks` (ids allocated here, one per descriptor block)."""
+        if (desc.num_layers, 2, desc.block_size, desc.num_kv_heads, desc.head_dim) != blocks.block_shape \
+                or desc.dtype != blocks.dtype_name:
+            raise ValueError(f"KV of {desc.request_id!r} is [{desc.num_layers}, 2, {desc.block_size}, "
+                             f"{desc.num_kv_heads}, {desc.head_dim}] {desc.dtype}; this pool holds "
+                             f"{list(blocks.block_shape)} {blocks.dtype_name}")
+        transport = self.transport(desc.transport)
+        grid = blocks.grid
+        if grid is not None:
+            transport.import_(desc, out=grid, dst_block_ids=list(blocks.block_ids))
+        else:
+            blocks.scatter(transport.import_(desc))
+
+    def release(self, desc: KVDescriptor) -> None:
+        """Sender side: the receiver has the KV (or gave up); free what export kept alive."""
+        self.transport(desc.transport).release(desc)
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
 
 
-def __getattr__(name: str):
-    # The transports live in actors/kv_transports/ and import this module; re-export them
-    # lazily so `from actors.kv_transfer import SharedMemoryTransport` works.
-    if not name.endswith("Transport"):   # the import system probes __path__ etc.
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    for cls in _transport_classes().values():
-        if cls.__name__ == name:
-            return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _msgpackable(value) -> bool:
-    if isinstance(value, _HANDLE_SCALARS):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_msgpackable(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _msgpackable(v) for k, v in value.items())
-    return False
+__all__ = ["CudaIPCTransport", "KVBlocks", "KVDescriptor", "KVTransferError", "KVTransfers", "KVTransport",
+           "ObjectStoreTransport", "SharedMemoryTransport", "TRANSPORTS", "choose_transport",
+           "make_transport"]

@@ -31,6 +31,13 @@ class OutputAssembler:
         self.num_prompt_tokens = request.num_prompt_tokens
         self._searched = 0   # text before this was searched for stops (a match would have ended it)
 
+    def resume(self, request: Request, num_sent_chars: int | None = None) -> None:
+        """Continue a request whose output so far reached the caller from another worker:
+        none of it is sent again (num_sent_chars: text the caller has; None: all of it)."""
+        self.num_sent_tokens = len(request.output_token_ids)
+        self.detokenizer.step(request.output_token_ids)
+        self.num_sent_chars = len(self.detokenizer.text) if num_sent_chars is None else num_sent_chars
+
     def frame(self, request: Request) -> tuple[OutputFrame, bool]:
         """The frame of tokens produced since the last call, and whether a stop string ended it."""
         new_ids = request.output_token_ids[self.num_sent_tokens:]

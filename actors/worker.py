@@ -1,64 +1,37 @@
 """DeviceWorker: the Ray actor that owns one device and runs its Engine.
 
 The engine's step loop runs on a thread of its own; the actor's asyncio side only moves
-messages. `generate` is a streaming generator: each yielded OutputFrame carries every
-token produced since the previous one (frames, never one actor call per token), so a
-slow consumer gets fewer, larger frames instead of falling behind.
+messages. `generate(GenerateRequest)` is a streaming generator: each yielded OutputFrame
+carries every token produced since the previous one (frames, never one actor call per
+token, actors/frame_stream.py), so a slow consumer gets fewer, larger frames instead of
+falling behind. `stats()` answers a WorkerStats (scheduler/messages.py), the router's one
+source of truth about this device. In the "prefill" role the worker's HandoffRelay hands
+each request's KV to a decode worker after its first frame (actors/handoff.py);
+`generate_prefilled` is the receiving end.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from dataclasses import asdict
 
 from actors.engine import Engine, EngineConfig
-from actors.handoff import HandoffState, relay_handoff
+from actors.frame_stream import FrameBuffer, error_frame
+from actors.handoff import HandoffRelay, KVHandoff
+from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
-from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
+                                OutputFrame, RegisteredModel, WorkerStats)
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
-
-
-class _Stream:
-    """Frames of one request waiting for its consumer, merged while they wait."""
-
-    def __init__(self) -> None:
-        self.pending: OutputFrame | None = None
-        self.event = asyncio.Event()
-        self.finished = False   # the frame that ends the request went to the consumer
-
-    def push(self, frame: OutputFrame) -> None:
-        if self.pending is None:
-            self.pending = frame
-        else:
-            p = self.pending
-            p.token_ids += frame.token_ids
-            p.token_times += frame.token_times
-            p.text += frame.text
-            p.finish_reason = frame.finish_reason
-            p.error = frame.error
-        self.event.set()
-
-    def take(self) -> OutputFrame:
-        frame, self.pending = self.pending, None
-        self.event.clear()
-        return frame
-
-    async def frames(self, worker_id: str):
-        """Frame dicts as they come, up to the one that finishes the request."""
-        while not self.finished:
-            await self.event.wait()
-            frame = self.take()
-            frame.worker_id = worker_id
-            self.finished = frame.finished
-            yield asdict(frame)
+ATTACH_TIMEOUT_S = 30.0   # an adopted request whose sender never opens its stream is aborted after this
 
 
 class EngineLoop:
@@ -115,31 +88,30 @@ class EngineLoop:
 class DeviceWorker:
     """One per device. Methods are async; the engine never blocks the actor's event loop."""
 
-    def __init__(self, worker_id: str, config: dict | None = None, num_threads: int | None = None,
+    def __init__(self, worker_id: str, config: EngineConfig | dict | None = None, num_threads: int | None = None,
                  node_id: str | None = None, shared_kv: bool = False):
-        """shared_kv: on a CPU device, keep the KV pool in a node-shared region (/dev/shm), so a
-        same-node KV handoff exports without a copy."""
+        """config: an EngineConfig or its kwargs. shared_kv: on a CPU device, keep the KV pool in a
+        node-shared region (/dev/shm), so a same-node KV handoff exports without a copy."""
         import torch
-
-        from actors.handoff import KVHandoff
 
         if num_threads:
             torch.set_num_threads(num_threads)   # each virtual device gets its share of cores
         self.worker_id = worker_id
-        self.node_id = node_id or _current_node_id()
+        self.node_id = node_id or _current_node_id() or ""
         self.role = "mixed"
-        engine_config = EngineConfig(**(config or {}))
+        engine_config = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
         device_kind = "cuda" if torch.device(engine_config.device).type == "cuda" else "cpu"
-        self.handoff = KVHandoff(worker_id, self.node_id, device_kind)
+        self.transfers = KVTransfers(worker_id, self.node_id, device_kind)
         kv_buffer = None
         if shared_kv and device_kind == "cpu":
-            kv_buffer = self.handoff.shared_kv_region(engine_config.kv_bytes)
+            kv_buffer = self.transfers.shared_kv_region(engine_config.kv_bytes)
         self.engine = Engine(engine_config, kv_buffer=kv_buffer)
         self._router = None
-        self._peer_nodes: dict[str, str] = {}
-        self.streams: dict[str, _Stream] = {}
+        self.buffers: dict[str, FrameBuffer] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
+        self.handoff = KVHandoff(self.engine, self.transfers)
+        self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
         self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
         self.started = time.time()
 
@@ -147,73 +119,64 @@ class DeviceWorker:
         self.loop = asyncio.get_running_loop()
         return self.worker_id
 
-    async def register_model(self, name: str, path: str) -> dict:
-        return await asyncio.wrap_future(self.engine_loop.call(self.engine.register_model, name, path))
+    async def register_model(self, name: str, path: str) -> RegisteredModel:
+        return await self._on_engine(self.engine.register_model, name, path)
 
     async def unregister_model(self, name: str) -> None:
-        await asyncio.wrap_future(self.engine_loop.call(self.engine.unregister_model, name))
+        await self._on_engine(self.engine.unregister_model, name)
 
     async def set_role(self, role: str) -> None:
-        if role not in ("mixed", "prefill", "decode"):
-            raise ValueError(f"role must be mixed, prefill or decode; got {role!r}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
         self.role = role
 
-    async def generate(self, req: dict):
-        """Stream OutputFrame dicts for one request; the last one has finish_reason set."""
-        self.loop = self.loop or asyncio.get_running_loop()
-        request = GenerateRequest.from_dict(req)
-        stream = _Stream()
-        self.streams[request.request_id] = stream
-        try:
+    async def generate(self, request: GenerateRequest):
+        """Stream the request's OutputFrames; the last one has finish_reason set."""
+        async with self._serving(request.request_id) as buffer:
+            target = self.relay.decode_target(request) if self.role == "prefill" else None
             try:
-                await asyncio.wrap_future(self.engine_loop.call(self.engine.add_request, request))
-            except ValueError as exc:
-                stream.finished = True
-                yield asdict(OutputFrame(request.request_id, finish_reason=FINISH_ERROR, error=str(exc),
-                                         worker_id=self.worker_id))
-                return
-            handoff_tried = False
-            async for frame in stream.frames(self.worker_id):
-                yield frame
-                if self.role == "prefill" and not handoff_tried and not stream.finished:
-                    handoff_tried = True   # decode elsewhere (actors/handoff.py); relayed frames end it
-                    async for relayed in relay_handoff(self, request, stream):
-                        yield relayed
-        finally:
-            self.streams.pop(request.request_id, None)
-            if not stream.finished:   # the consumer went away: free the request's KV
-                self.engine_loop.call(self.engine.abort, request.request_id)
+                try:   # a request to hand off is held after its prefill: it never decodes here meanwhile
+                    await self._on_engine(self.engine.add_request, request, target is not None)
+                except ValueError as exc:
+                    yield buffer.sent(error_frame(request.request_id, self.worker_id, exc))
+                    return
+                async for frame in buffer.frames():
+                    yield frame
+                    if target is not None and not buffer.finished:   # decode elsewhere (actors/handoff.py)
+                        async with contextlib.aclosing(self.relay.relay(request, buffer, target)) as relayed:
+                            async for frame in relayed:
+                                yield frame
+                        target = None
+            finally:
+                if target is not None:
+                    target.cancel()   # it ended before its first frame was out: no handoff
 
-    async def generate_prefilled(self, state: dict, desc=None):
-        """The decode side of a KV handoff: adopt the request (KV through `desc`, a KVDescriptor),
-        answer one ack {"adopted": bool, "error": str | None}, then stream its OutputFrame dicts."""
-        self.loop = self.loop or asyncio.get_running_loop()
-        handoff_state = HandoffState(**state)
-        request_id = handoff_state.request["request_id"]
-        stream = _Stream()
-        self.streams[request_id] = stream
+    async def adopt_prefilled(self, state: HandoffState, desc: KVDescriptor | None = None) -> HandoffAck:
+        """The decode side of a KV handoff: adopt the request with its KV (the descriptor rides on
+        this call) and answer at once; its frames go to `generate_prefilled`, which the sender
+        opens when this answers."""
+        request_id = state.request.request_id
+        buffer = self._buffer(request_id)
+        if not buffer.attached:   # a sender that died before opening the stream leaves no orphan behind
+            self.loop.call_later(ATTACH_TIMEOUT_S, self._drop_unattached, request_id, buffer)
         try:
-            try:
-                adopted = await asyncio.wrap_future(
-                    self.engine_loop.call(self.handoff.adopt, self.engine, handoff_state, desc))
-            except ValueError as exc:   # unknown model, bad state: the sender keeps the request
-                stream.finished = True
-                yield {"adopted": False, "error": str(exc)}
-                return
-            del desc   # drop an object-store ref as soon as the KV is in
-            yield {"adopted": adopted, "error": None}
-            async for frame in stream.frames(self.worker_id):
+            adopted = await self._on_engine(self.handoff.adopt, state, desc)
+        except ValueError as exc:   # unknown model, bad state: the sender keeps the request
+            buffer.push(error_frame(request_id, self.worker_id, exc))
+            return HandoffAck(False, str(exc))
+        return HandoffAck(adopted)
+
+    async def generate_prefilled(self, request_id: str):
+        """The OutputFrames of a request adopted by `adopt_prefilled`."""
+        async with self._serving(request_id) as buffer:
+            async for frame in buffer.frames():
                 yield frame
-        finally:
-            self.streams.pop(request_id, None)
-            if not stream.finished:
-                self.engine_loop.call(self.engine.abort, request_id)
 
     async def close(self) -> None:
         """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
         self.metrics.stop()
         self.engine_loop.stop()
-        self.handoff.close()
+        self.transfers.close()
 
     async def node(self) -> str:
         return self.node_id
@@ -222,35 +185,58 @@ class DeviceWorker:
         if self._router is None:
             import ray
 
-            from scheduler.messages import ROUTER_NAME
-
             self._router = ray.get_actor(ROUTER_NAME)
         return self._router
 
     async def set_router(self, router) -> None:
         self._router = router
 
-    async def peer_node(self, worker_id: str, handle) -> str:
-        if worker_id not in self._peer_nodes:
-            self._peer_nodes[worker_id] = await handle.node.remote()
-        return self._peer_nodes[worker_id]
-
     async def abort(self, request_id: str) -> bool:
-        return await asyncio.wrap_future(self.engine_loop.call(self.engine.abort, request_id))
+        return await self._on_engine(self.engine.abort, request_id)
 
-    async def stats(self) -> dict:
-        stats = await asyncio.wrap_future(self.engine_loop.call(self.engine.stats))
-        stats.update(worker_id=self.worker_id, node_id=self.node_id, role=self.role,
-                     device=self.engine.config.device, pid=os.getpid(),
-                     handoff={"handed_off": self.handoff.num_handed_off, "adopted": self.handoff.num_adopted,
-                              "recomputed": self.handoff.num_recomputed})
-        return stats
+    async def stats(self) -> WorkerStats:
+        engine = await self._on_engine(self.engine.stats)
+        return WorkerStats(self.worker_id, self.node_id, engine, role=self.role, device=self.engine.config.device,
+                           pid=os.getpid(), handoff=self.handoff.counts())
 
     async def telemetry(self) -> dict:
         return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`
 
     async def timeline(self) -> list[tuple]:
-        return await asyncio.wrap_future(self.engine_loop.call(lambda: list(self.engine.timeline)))
+        return await self._on_engine(lambda: list(self.engine.timeline))
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, request_id: str):
+        """The FrameBuffer of one request while its consumer reads it; the one place that
+        aborts the request (freeing its KV) when the consumer goes away before the last frame."""
+        buffer = self._buffer(request_id)
+        buffer.attached = True
+        try:
+            yield buffer
+        finally:
+            self._forget_buffer(request_id, buffer)
+
+    def _buffer(self, request_id: str) -> FrameBuffer:
+        """The request's FrameBuffer, made on first use (by its stream or by adopt_prefilled)."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        if request_id not in self.buffers:
+            self.buffers[request_id] = FrameBuffer(self.worker_id)
+        return self.buffers[request_id]
+
+    def _forget_buffer(self, request_id: str, buffer: FrameBuffer) -> None:
+        if self.buffers.get(request_id) is buffer:
+            del self.buffers[request_id]
+        if not buffer.finished:
+            self.engine_loop.call(self.engine.abort, request_id)
+
+    def _drop_unattached(self, request_id: str, buffer: FrameBuffer) -> None:
+        if not buffer.attached:
+            logger.warning("request %s was adopted but no stream came for it in %.0fs; aborting it",
+                           request_id, ATTACH_TIMEOUT_S)
+            self._forget_buffer(request_id, buffer)
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.wrap_future(self.engine_loop.call(fn, *args))
 
     def _deliver_threadsafe(self, frames: list[OutputFrame]) -> None:
         if self.loop is not None:
@@ -258,9 +244,9 @@ class DeviceWorker:
 
     def _deliver(self, frames: list[OutputFrame]) -> None:
         for frame in frames:
-            stream = self.streams.get(frame.request_id)
-            if stream is not None:
-                stream.push(frame)
+            buffer = self.buffers.get(frame.request_id)
+            if buffer is not None:
+                buffer.push(frame)
 
 
 def _current_node_id() -> str | None:

@@ -1,7 +1,8 @@
 """PlacementService: turns router-reported load into a placement plan and applies it.
 
 Every `interval_s` (and on demand: `replan()`, which the router calls when all of a
-model's workers run hot) it asks the router for worker views and per-model load, runs
+model's workers run hot) it asks the router for a LoadReport (worker views and per-model
+load, scheduler/messages.py), runs
 `scheduler.placement.PlacementPolicy` (which keeps the hysteresis state, so it lives
 here, once per cluster), and applies the plan in an order that never routes a request to
 a worker without the model:
@@ -9,7 +10,7 @@ a worker without the model:
   1. register_model on workers that gain a model (a failed registration drops that
      worker from the model's list in the plan);
   2. set_role on workers whose role changes;
-  3. push the plan to the router (routing follows it from here on);
+  3. push the PlacementPlan to the router (routing follows it from here on);
   4. unregister_model where a model left a worker, once no request of it is in flight
      there (otherwise the next round retries).
 
@@ -27,13 +28,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.control_metrics import PlacementMetrics
-from scheduler.messages import PLACEMENT_NAME
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, LoadReport, WorkerView
 from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes
-from scheduler.routing import WorkerView
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
-
 
 
 def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
@@ -55,16 +54,16 @@ def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
 
 @ray.remote(num_cpus=0)
 class PlacementService:
-    def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, dict] | None = None,
-                 config: dict | None = None, interval_s: float = 2.0, router=None):
+    def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, SLO] | None = None,
+                 config: PlacementConfig | None = None, interval_s: float = 2.0, router=None):
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        self._policy = PlacementPolicy(PlacementConfig(**(config or {})))
+        self._policy = PlacementPolicy(config)
         self._paths: dict[str, str] = {}
         self._infos: dict[str, ModelInfo] = {}
         for name, source in (models or {}).items():
             self._paths[name], self._infos[name] = model_entry(name, source)
-        self._slos = {m: SLO(**s) for m, s in (slos or {}).items()}
+        self._slos = dict(slos or {})
         self._interval_s = interval_s
         self._router = router
         self._plan: PlacementPlan | None = None
@@ -78,39 +77,39 @@ class PlacementService:
             await self._get_router().attach_placement.remote(ray.get_runtime_context().current_actor)
             self._loop_task = asyncio.get_running_loop().create_task(self._replan_forever())
 
-    async def add_model(self, name: str, source: Any, slo: dict | None = None) -> dict:
+    async def add_model(self, name: str, source: Any, slo: SLO | None = None) -> PlacementPlan:
         if not name:
             raise ValueError("model name must be non-empty")
         self._paths[name], self._infos[name] = model_entry(name, source)
         if slo:
-            self._slos[name] = SLO(**slo)
+            self._slos[name] = slo
         return await self.replan()
 
-    async def remove_model(self, name: str) -> dict:
+    async def remove_model(self, name: str) -> PlacementPlan:
         if name not in self._infos:
             raise ValueError(f"unknown model {name!r}; known: {sorted(self._infos)}")
         del self._paths[name], self._infos[name]
         self._slos.pop(name, None)
         return await self.replan()
 
-    async def plan(self) -> dict | None:
-        return self._plan.to_dict() if self._plan else None
+    async def plan(self) -> PlacementPlan | None:
+        return self._plan
 
-    async def replan(self) -> dict:
+    async def replan(self) -> PlacementPlan:
         async with self._lock:
             router = self._get_router()
-            report = await router.load_report.remote()
-            views = [WorkerView.from_dict(d) for d in report["workers"]]
-            load = {m: l for m, l in report["load"].items() if m in self._infos}
+            report: LoadReport = await router.load_report.remote()
+            views = list(report.workers)
+            load = {m: l for m, l in report.load.items() if m in self._infos}
             plan = self._policy.plan(views, self._infos, load, self._slos, now=time.monotonic())
             handles = await router.worker_handles.remote()
             plan = await self._register(plan, views, handles)
             await self._set_roles(plan, views, handles)
-            await router.set_plan.remote(plan.to_dict())
+            await router.set_plan.remote(plan)
             self._metrics.plan_applied(self._plan, plan)
             self._plan = plan
             await self._unregister(plan, views, handles)
-            return plan.to_dict()
+            return plan
 
     # ---- applying a plan ---------------------------------------------------------------
 
@@ -152,8 +151,6 @@ class PlacementService:
 
     def _get_router(self):
         if self._router is None:
-            from cluster.router import ROUTER_NAME
-
             self._router = ray.get_actor(ROUTER_NAME)
         return self._router
 

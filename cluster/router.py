@@ -4,10 +4,12 @@ The ingress asks `pick(model)` and gets `(worker_id, handle)`, then streams from
 `handle.generate` itself, and calls `release(worker_id, model)` when the request ends.
 So the router sits on one call per request, not on the per-token path.
 
-State: the worker handles, each worker's latest `stats()` (polled every `poll_interval_s`
-and pushed by workers through `report_stats`), the requests dispatched and not yet
-released (`LoadTracker`), and the placement plan pushed by the PlacementService. The
-decision itself is `scheduler.routing.RoutingPolicy`.
+State: the worker handles, each worker's latest `WorkerStats` (polled every
+`poll_interval_s`; its measured decode step time is what "SLO headroom" is computed from),
+the requests dispatched and not yet released (`LoadTracker`), and the PlacementPlan pushed
+by the PlacementService. The decision itself is `scheduler.routing.RoutingPolicy`. What
+goes in and out is typed (scheduler/messages.py): LoadReport to placement, PlacementPlan
+from it, DecodeTarget to a prefill worker, RouterStatus to operators.
 
 A worker whose stats call fails with RayActorError (it died) is removed from routing; one
 that merely stops answering for `max_missed` polls is skipped until it answers again.
@@ -17,37 +19,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.control_metrics import RouterMetrics
+from scheduler.messages import ROUTER_NAME, DecodeTarget, LoadReport, RouterStatus, WorkerStats
 from scheduler.placement import PlacementPlan, observed_load
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
-from scheduler.messages import ROUTER_NAME
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
 class _Worker:
     handle: Any
     node_id: str
-    stats: dict | None = None
+    stats: WorkerStats | None = None
     missed: int = 0
 
 
 @ray.remote(num_cpus=0)
 class GlobalRouter:
-    def __init__(self, routing_config: dict | None = None, poll_interval_s: float = 0.5,
+    def __init__(self, routing_config: RoutingConfig | None = None, poll_interval_s: float = 0.5,
                  stats_timeout_s: float = 2.0, max_missed: int = 10, hot_trigger_interval_s: float = 1.0):
         if poll_interval_s <= 0 or stats_timeout_s <= 0 or max_missed < 1:
             raise ValueError("poll_interval_s and stats_timeout_s must be > 0, max_missed >= 1")
-        self._policy = RoutingPolicy(RoutingConfig(**(routing_config or {})))
+        self._policy = RoutingPolicy(routing_config)
         self._poll_interval_s = poll_interval_s
         self._stats_timeout_s = stats_timeout_s
         self._max_missed = max_missed
@@ -75,12 +76,6 @@ class GlobalRouter:
     async def remove_worker(self, worker_id: str) -> bool:
         return self._remove(worker_id, "removed")
 
-    async def report_stats(self, stats: dict) -> None:
-        """Callback from a worker: fresher stats than the next poll."""
-        entry = self._workers.get(stats.get("worker_id"))
-        if entry is not None:
-            entry.stats, entry.missed = stats, 0
-
     async def report_failure(self, worker_id: str) -> bool:
         """The caller saw a call to this worker fail; check it now. True if it was removed."""
         if worker_id not in self._workers:
@@ -90,12 +85,12 @@ class GlobalRouter:
 
     # ---- routing ---------------------------------------------------------------------
 
-    async def pick(self, model: str, slo: dict | None = None) -> tuple[str, Any]:
+    async def pick(self, model: str, slo: SLO | None = None) -> tuple[str, Any]:
         """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError."""
         self._ensure_poller()
         views = self._views()
         try:
-            worker_id = self._policy.pick(model, views, SLO(**slo) if slo else None, self._plan)
+            worker_id = self._policy.pick(model, views, slo, self._plan)
         except NoWorkerError:
             self._metrics.no_worker(model)
             raise
@@ -104,10 +99,11 @@ class GlobalRouter:
         self._maybe_scale_out(model, views)
         return worker_id, self._workers[worker_id].handle
 
-    async def pick_decode(self, model: str, slo: dict | None = None) -> tuple[str, Any]:
+    async def pick_decode(self, model: str, slo: SLO | None = None) -> DecodeTarget:
         """Decode worker to hand a prefilled request's KV to (the KV handoff target)."""
-        worker_id = self._policy.pick_decode(model, self._views(), SLO(**slo) if slo else None, self._plan)
-        return worker_id, self._workers[worker_id].handle
+        worker_id = self._policy.pick_decode(model, self._views(), slo, self._plan)
+        entry = self._workers[worker_id]
+        return DecodeTarget(worker_id, entry.node_id, entry.handle)
 
     async def release(self, worker_id: str, model: str) -> None:
         if not self._tracker.released(worker_id, model):
@@ -115,11 +111,11 @@ class GlobalRouter:
 
     # ---- placement -------------------------------------------------------------------
 
-    async def set_plan(self, plan: dict) -> None:
-        self._plan = PlacementPlan.from_dict(plan)
+    async def set_plan(self, plan: PlacementPlan) -> None:
+        self._plan = plan
 
-    async def plan(self) -> dict | None:
-        return self._plan.to_dict() if self._plan else None
+    async def plan(self) -> PlacementPlan | None:
+        return self._plan
 
     async def attach_placement(self, handle) -> None:
         self._placement = handle
@@ -127,43 +123,41 @@ class GlobalRouter:
     async def worker_handles(self) -> dict[str, Any]:
         return {wid: w.handle for wid, w in self._workers.items()}
 
-    async def load_report(self) -> dict:
+    async def load_report(self) -> LoadReport:
         """What the PlacementService plans from: worker views and per-model load."""
         views = self._views()
         now = time.monotonic()
         queued: dict[str, int] = {}
         running: dict[str, int] = {}
         for entry in self._workers.values():
-            for key, acc in (("queue_depth", queued), ("running", running)):
-                for m, n in ((entry.stats or {}).get(key) or {}).items():
+            if entry.stats is None:
+                continue
+            for counts, acc in ((entry.stats.engine.queue_depth, queued), (entry.stats.engine.running, running)):
+                for m, n in counts.items():
                     acc[m] = acc.get(m, 0) + int(n)
-        load = {m: asdict(l) for m, l in observed_load(queued, running, self._tracker, now).items()}
-        return {"workers": [v.to_dict() for v in views], "load": load}
+        return LoadReport(tuple(views), observed_load(queued, running, self._tracker, now))
 
-    async def status(self) -> dict:
+    async def status(self) -> RouterStatus:
         views = self._views()
-        return {
-            "workers": {v.worker_id: v.to_dict() for v in views},
-            "pending": self._tracker.pending(),
-            "servable": self._policy.servable(views, self._plan),
-            "plan_version": self._plan.version if self._plan else None,
-        }
+        return RouterStatus({v.worker_id: v for v in views}, self._tracker.pending(),
+                            tuple(self._policy.servable(views, self._plan)),
+                            self._plan.version if self._plan else None)
 
     # ---- internals -------------------------------------------------------------------
 
     def _views(self) -> list[WorkerView]:
         cached_on_node: dict[str, set[str]] = {}
         for entry in self._workers.values():
-            if entry.stats:
-                cached_on_node.setdefault(entry.node_id, set()).update(entry.stats.get("registered", ()))
+            if entry.stats is not None:
+                cached_on_node.setdefault(entry.node_id, set()).update(entry.stats.engine.registered)
         views = []
         for wid, entry in self._workers.items():
             if entry.stats is None:
                 continue
-            stats = {**entry.stats, "worker_id": wid, "node_id": entry.node_id}
             views.append(WorkerView.from_stats(
-                stats, host_cached=cached_on_node.get(entry.node_id, ()),
-                extra_load=self._tracker.inflight(wid), alive=entry.missed < self._max_missed))
+                entry.stats, host_cached=cached_on_node.get(entry.node_id, ()),
+                extra_load=self._tracker.inflight(wid), alive=entry.missed < self._max_missed,
+                node_id=entry.node_id))
         return views
 
     def _maybe_scale_out(self, model: str, views: list[WorkerView]) -> None:

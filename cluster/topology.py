@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.placement_service import PLACEMENT_NAME, get_or_create_placement
-from cluster.router import ROUTER_NAME, get_or_create_router
 from cluster.node_watcher import NodeWatcher
+from cluster.placement_service import get_or_create_placement
 from cluster.ray_runtime import NodeResources, alive_nodes
+from cluster.router import get_or_create_router
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, ClusterStatus, WorkerDown, WorkerStats
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
 from scheduler.slo import SLO
@@ -139,28 +140,20 @@ class Topology:
 
     # ---- reading ---------------------------------------------------------------------
 
-    def status(self) -> dict:
-        """Workers (node, role, registered and resident models, queue depths), the plan, the router."""
+    def status(self) -> ClusterStatus:
+        """Every worker's WorkerStats (or why it did not answer), the plan, the router."""
         import ray
 
         handles = ray.get(self.router.worker_handles.remote(), timeout=CALL_TIMEOUT_S)
         refs = {wid: h.stats.remote() for wid, h in handles.items()}
-        workers = {}
+        workers: dict[str, WorkerStats | WorkerDown] = {}
         for wid, ref in refs.items():
             try:
-                s = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                workers[wid] = ray.get(ref, timeout=CALL_TIMEOUT_S)
             except Exception as exc:   # a dead or stuck worker is reported, not raised
-                workers[wid] = {"alive": False, "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
-                continue
-            workers[wid] = {"alive": True, "node_id": s.get("node_id"), "role": s.get("role"),
-                            "device": s.get("device"), "registered": s.get("registered", []),
-                            "resident": s.get("resident", []), "queue_depth": s.get("queue_depth", {}),
-                            "running": s.get("running", {}), "kv_free_frac": s.get("kv_free_frac")}
-        return {
-            "workers": workers,
-            "plan": ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
-            "router": ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S),
-        }
+                workers[wid] = WorkerDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return ClusterStatus(workers, ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
+                             ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S))
 
     # ---- teardown --------------------------------------------------------------------
 
@@ -244,10 +237,11 @@ def bring_up(config: TopologyConfig) -> Topology:
     if not ray.is_initialized():
         raise ValueError("bring_up needs a connected Ray; call cluster.ray_runtime.connect_or_start() first")
     owned = not (_named_exists(ray, ROUTER_NAME) or _named_exists(ray, PLACEMENT_NAME))
-    router = get_or_create_router(detached=config.detached, routing_config=config.routing)
-    slos = {m: dataclasses.asdict(config.slo) for m in config.models}
+    router = get_or_create_router(detached=config.detached, routing_config=RoutingConfig(**config.routing))
+    slos = {m: config.slo for m in config.models}
     placement = get_or_create_placement(detached=config.detached, models=dict(config.models), slos=slos,
-                                        config=config.placement, interval_s=config.placement_interval_s,
+                                        config=PlacementConfig(**config.placement),
+                                        interval_s=config.placement_interval_s,
                                         router=router)
     ray.get(placement.start.remote(), timeout=CALL_TIMEOUT_S)
     topology = Topology(router, placement, config, owned=owned)
@@ -259,12 +253,12 @@ def bring_up(config: TopologyConfig) -> Topology:
                                "(virtual devices on CPU hosts, see cluster/ray_runtime.py)")
         plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
         for _ in range(5):   # a replan racing the router's stats may re-register a model and fail
-            if not any("registration failed" in why for why in plan.get("unplaceable", {}).values()):
+            if not any("registration failed" in why for why in plan.unplaceable.values()):
                 break
             time.sleep(1.0)
             plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
-        if plan.get("unplaceable"):
-            logger.warning("topology: models that fit no worker: %s", plan["unplaceable"])
+        if plan.unplaceable:
+            logger.warning("topology: models that fit no worker: %s", dict(plan.unplaceable))
     except BaseException:
         topology.shutdown()
         raise
@@ -295,6 +289,7 @@ def _spawn(spec: dict, config: TopologyConfig):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     options: dict = {"num_gpus": 1, "num_cpus": 0,
@@ -302,7 +297,7 @@ def _spawn(spec: dict, config: TopologyConfig):
     if config.detached:
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
-        spec["worker_id"], spec["engine"], num_threads=spec["num_threads"], node_id=spec["node_id"],
+        spec["worker_id"], EngineConfig(**spec["engine"]), num_threads=spec["num_threads"], node_id=spec["node_id"],
         **({"shared_kv": True} if spec["shared_kv"] else {}))
 
 

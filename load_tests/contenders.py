@@ -30,12 +30,13 @@ from typing import AsyncIterator, Sequence
 from load_tests.driver import Prompt, Target, TargetError
 from load_tests.metrics import RequestRecord, Turn
 from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
-ENGINE_POLICIES = ("token", "request", "dedicated")
+ENGINE_POLICIES = POLICY_NAMES
 CONTENDERS = (*ENGINE_POLICIES, "multiplexed")
 TIMELINE_LEN = 200_000  # steps kept per worker: a whole sweep point's timeline
 
@@ -119,7 +120,7 @@ class EngineTarget:
 
     async def stream(self, model: str, prompt: Prompt, max_tokens: int,
                      request_id: str) -> AsyncIterator[OutputFrame]:
-        import ray
+        from actors.frame_stream import stream_frames
 
         worker = self.workers.get(model)
         if worker is None:
@@ -130,16 +131,9 @@ class EngineTarget:
         req = GenerateRequest(f"{request_id}.{next(self._ids)}", model, tuple(prompt),
                               SamplingParams(max_tokens=max_tokens, ignore_eos=True), self.slo,
                               arrival_time=time.time())
-        gen = worker.generate.remote(req.to_dict())
-        finished = False
-        try:
-            async for ref in gen:
-                frame = OutputFrame.from_dict(await ref)
-                finished = frame.finished
+        async with stream_frames(worker.generate.remote(req)) as frames:   # left early: the worker aborts it
+            async for frame in frames:
                 yield frame
-        finally:
-            if not finished:
-                ray.cancel(gen)  # the worker aborts the request and frees its KV
 
 
 class EngineContender(Contender):

@@ -175,7 +175,7 @@ def run(args) -> int:
 
 def _workload(args):
     from load_tests import workloads as w
-    from load_tests.traces import read_trace
+    from load_tests.traces import lengths_from_azure, read_trace
 
     if args.models < 1:
         raise ValueError(f"--models must be >= 1, got {args.models}")
@@ -196,7 +196,7 @@ def _workload(args):
     arrivals = w.Poisson(args.rate) if args.arrival == "poisson" else w.Gamma(args.rate, args.cv)
     from load_tests.runner import AZURE_CONV
 
-    lengths = (w.EmpiricalLengths.from_azure(AZURE_CONV, max_input=4000, max_output=2000)
+    lengths = (lengths_from_azure(AZURE_CONV, max_input=4000, max_output=2000)
                if AZURE_CONV.is_file() else w.LogNormalLengths(input_median=700, output_median=250))
     workload = w.generate(arrivals, popularity, names, lengths, seed=args.seed, duration_s=args.duration)
     return workload, names, f"synthetic {args.popularity} x{args.models} at {args.rate:g} req/s"

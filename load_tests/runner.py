@@ -132,7 +132,9 @@ def make_workload(args, names: list[str], rate: float, num_requests: int):
     if args.lengths == "azure":
         if not AZURE_CONV.is_file():
             raise ValueError(f"Azure trace not found at {AZURE_CONV}; set TOKENMUX_DATA_DIR or use --lengths lognormal")
-        lengths = w.EmpiricalLengths.from_azure(AZURE_CONV, **limits)
+        from load_tests.traces import lengths_from_azure
+
+        lengths = lengths_from_azure(AZURE_CONV, **limits)
     else:
         lengths = w.LogNormalLengths(**limits)
     return w.generate(arrivals, popularity, names, lengths, seed=args.seed, num_requests=num_requests)

@@ -43,6 +43,7 @@ from load_tests.workloads import Workload
 from scheduler.placement import (ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy,
                                  observed_load, plan_changes)
 from scheduler.policy import SchedulerConfig
+from scheduler.policy_registry import check_policy_name
 from scheduler.request import Request, RequestStatus
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy
 from scheduler.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ MAX_IDLE_RETRIES = 1000  # ... at most this many times in a row (10 s) before it
 class FleetConfig:
     num_workers: int
     layout: DeviceLayout
-    policy: str = "token"
+    policy: str = "token"             # a name in scheduler.policy_registry.POLICIES
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=10.0, tbt_s=0.1))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -68,6 +69,7 @@ class FleetConfig:
     handoff_latency_s: float = 1e-3    # per KV handoff, on top of its bytes over the link
 
     def __post_init__(self) -> None:
+        check_policy_name(self.policy)
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.replan_interval_s < 0 or self.handoff_latency_s < 0:

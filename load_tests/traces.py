@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from load_tests.workloads import LongTail, Popularity, TraceRequest, Workload, sample_models
+from load_tests.workloads import EmpiricalLengths, LongTail, Popularity, TraceRequest, Workload, sample_models
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,13 @@ def read_azure(path: str | Path) -> list[TraceRequest]:
     if schema != "azure":
         raise ValueError(f"{path} is a {schema} trace, not an Azure LLM 2023 trace")
     return rows
+
+
+def lengths_from_azure(path: str | Path, **limits) -> EmpiricalLengths:
+    """(input, output) lengths of the Azure LLM inference trace 2023 (code.csv or conv.csv),
+    resampled in pairs; `limits` are EmpiricalLengths' scales and clips."""
+    rows = read_azure(path)
+    return EmpiricalLengths(pairs=np.array([(r.input_len, r.output_len) for r in rows]), **limits)
 
 
 def map_models(rows: Sequence[TraceRequest], deployed: Sequence[str],

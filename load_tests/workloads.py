@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -350,14 +349,6 @@ class EmpiricalLengths(_LengthLimits):
         if pairs.ndim != 2 or pairs.shape[1] != 2 or not len(pairs):
             raise ValueError(f"pairs must be a non-empty [N, 2] array, got shape {pairs.shape}")
         object.__setattr__(self, "pairs", pairs)
-
-    @classmethod
-    def from_azure(cls, path: str | Path, **limits) -> "EmpiricalLengths":
-        """Lengths of the Azure LLM inference trace 2023 (code.csv or conv.csv)."""
-        from load_tests.traces import read_azure  # traces builds on this module
-
-        rows = read_azure(path)
-        return cls(pairs=np.array([(r.input_len, r.output_len) for r in rows]), **limits)
 
     def sample(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         picked = self.pairs[rng.integers(0, len(self.pairs), size=n)]

@@ -1,7 +1,7 @@
-"""Pure scheduling decisions of a tokenmux worker (stdlib only: never imports torch or ray).
+"""Pure decisions of tokenmux, and the messages that carry them (stdlib only: never imports torch or ray).
 
 What flows through: a GenerateRequest (messages.py) becomes a Request (request.py) and is
-handed to a SchedulingPolicy (policy.py). Each engine step asks `schedule(now)` for a
+handed to a SchedulingPolicy (policy.py, by name from policy_registry.py). Each engine step asks `schedule(now)` for a
 SchedulerOutput — one model, the requests to advance, KV swaps to do first, the model to
 prefetch — runs it, and hands the sampled tokens back to `update`, which returns the
 finished requests. KV memory is accounted in blocks of a unified slab pool
@@ -9,7 +9,13 @@ finished requests. KV memory is accounted in blocks of a unified slab pool
 decode turns are sized by the quota rule (quota.py). Policies: TokenLevelPolicy
 (Aegaeon-style, token_level.py), RequestLevelPolicy (request_level.py) and
 DedicatedPolicy (dedicated.py) share one interface, so the engine and the fleet
-simulator in load_tests/ run any of them unchanged.
+simulator in load_tests/ run any of them unchanged. A KV handoff moves a request between
+policies through verbs (detach_request, reattach_request, adopt_request), never by editing
+their queues.
+
+Above the worker: routing.py picks a worker for a request from WorkerViews (built from each
+worker's WorkerStats), placement.py plans which workers hold which models from a
+LoadReport. Every message between actors is a typed dataclass of messages.py.
 """
 from scheduler.dedicated import DedicatedPolicy
 from scheduler.estimator import StepLatencyEstimator

@@ -1,15 +1,35 @@
-"""Typed messages that cross process boundaries (ingress <-> router <-> worker).
+"""Typed messages that cross process and actor boundaries: one schema, one producer each.
+
+    data plane     GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
+                   OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py)
+                   HandoffState      prefill worker -> decode worker, with the KV descriptor (actors/engine.py)
+                   HandoffAck        decode worker -> prefill worker, first item of its stream (actors/worker.py)
+    control plane  RegisteredModel   worker -> placement           (actors/engine.py register_model)
+                   WorkerStats       worker -> router, status      (actors/worker.py; EngineStats: actors/engine.py)
+                   WorkerView        router's snapshot of a worker (scheduler/routing.py, from WorkerStats)
+                   LoadReport        router -> placement           (cluster/router.py)
+                   PlacementPlan     placement -> router           (scheduler/placement.py, the plan update)
+                   RouterStatus      router -> status              (cluster/router.py)
+                   ClusterStatus     topology -> `tokenmux status` (cluster/topology.py)
 
 Only diffs travel: a request is sent once; afterwards each OutputFrame carries just the
-tokens produced since the previous frame (never one actor call per token).
-Both types round-trip through plain dicts so they can be msgpack-encoded.
+tokens produced since the previous frame (never one actor call per token). Ray carries the
+dataclasses themselves; `to_dict` (and `from_dict` where a reader needs one) gives the
+plain form for msgpack and JSON. A consumer reads fields, never keys a producer may not
+write: a drifted key once left the router blind to every worker's step time.
 """
 from __future__ import annotations
 
+import collections
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
+
+if TYPE_CHECKING:
+    from scheduler.placement import ModelLoad, PlacementPlan
 
 
 @dataclass(frozen=True)
@@ -92,3 +112,248 @@ class OutputFrame:
     @classmethod
     def from_dict(cls, d: dict) -> "OutputFrame":
         return cls(**d)
+
+
+# ---- KV handoff (prefill worker <-> decode worker) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """What rides with the KV descriptor on the decode dispatch: the request and its output so far."""
+
+    request: GenerateRequest
+    output_token_ids: tuple[int, ...]
+    token_times: tuple[float, ...]
+    num_computed_tokens: int      # tokens whose KV the descriptor carries (0: recompute them)
+    num_sent_chars: int           # output text the caller already has
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_token_ids", tuple(int(t) for t in self.output_token_ids))
+        object.__setattr__(self, "token_times", tuple(float(t) for t in self.token_times))
+        if self.num_computed_tokens < 0 or self.num_sent_chars < 0:
+            raise ValueError(f"num_computed_tokens and num_sent_chars must be >= 0, got "
+                             f"{self.num_computed_tokens}, {self.num_sent_chars}")
+
+
+@dataclass(frozen=True)
+class HandoffAck:
+    """The decode worker's answer, before any frame: KV adopted, queued for recompute, or refused."""
+
+    adopted: bool
+    error: str | None = None      # refused (unknown model, bad state): the sender keeps the request
+
+
+class DecodeTarget(NamedTuple):
+    """The worker a prefilled request's KV goes to (router.pick_decode)."""
+
+    worker_id: str
+    node_id: str
+    handle: Any
+
+
+# ---- worker stats (worker -> router, placement, status) -----------------------------------
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model a worker can serve now (producer: Engine.register_model)."""
+
+    name: str
+    path: str
+    architecture: str
+    max_context: int
+    weight_bytes: int
+    kv_block_bytes: int
+
+ROLES = ("mixed", "prefill", "decode")
+RESIDENT, HOST_CACHED, COLD = 0, 1, 2  # residency tiers, best first
+
+
+@dataclass(frozen=True)
+class HandoffCounts:
+    handed_off: int = 0     # prefilled here, decoded elsewhere
+    adopted: int = 0        # prefilled elsewhere, KV adopted here
+    recomputed: int = 0     # prefilled elsewhere, KV could not be adopted: prefix recomputed here
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What one engine measured (producer: actors/engine.py Engine.stats)."""
+
+    registered: tuple[str, ...] = ()
+    resident: tuple[str, ...] = ()          # weights in a device slot now
+    num_slots: int = 1
+    slot_bytes: int = 0
+    budget_bytes: int = 0
+    queue_depth: Mapping[str, int] = field(default_factory=dict)   # per model: requests not running yet
+    running: Mapping[str, int] = field(default_factory=dict)       # per model: requests decoding
+    kv_free_frac: float = 1.0
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    decode_step_s: float = 0.0              # EMA of a decode step's wall time, all models (0: none yet)
+    decode_step_s_by_model: Mapping[str, float] = field(default_factory=dict)   # the same, per model
+    alpha: float | None = None              # quota rule's alpha of the latest round (token-level policy)
+    weights: Mapping[str, Any] = field(default_factory=dict)   # weight-slot counters (WeightSlots.stats)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_free_frac <= 1.0:
+            raise ValueError(f"kv_free_frac must be in [0, 1], got {self.kv_free_frac!r}")
+        if self.decode_step_s < 0 or any(v < 0 for v in self.decode_step_s_by_model.values()):
+            raise ValueError("decode step times must be >= 0")
+        object.__setattr__(self, "registered", tuple(self.registered))
+        object.__setattr__(self, "resident", tuple(self.resident))
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What DeviceWorker.stats() reports (producer: actors/worker.py): who it is, and its engine."""
+
+    worker_id: str
+    node_id: str
+    engine: EngineStats
+    role: str = "mixed"
+    device: str = "cpu"
+    pid: int = 0
+    handoff: HandoffCounts = field(default_factory=HandoffCounts)
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- the router's view of a worker, and what it reports ----------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """Snapshot of one worker, as the router last saw it (built by `from_stats`)."""
+
+    worker_id: str
+    node_id: str
+    registered: frozenset[str] = frozenset()
+    resident: frozenset[str] = frozenset()       # weights in a device slot now
+    host_cached: frozenset[str] = frozenset()    # in the host weight cache of this node
+    load_by_model: Mapping[str, int] = field(default_factory=dict)  # queued + running
+    kv_free_frac: float = 1.0
+    role: str = "mixed"
+    num_slots: int = 1
+    slot_bytes: int = 0
+    step_time_s: float = 0.0                     # EMA of one decode step; 0 = unknown
+    alive: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0.0 <= self.kv_free_frac <= 1.0:
+            raise ValueError(f"kv_free_frac must be in [0, 1], got {self.kv_free_frac!r}")
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots!r}")
+        if self.slot_bytes < 0 or self.step_time_s < 0:
+            raise ValueError("slot_bytes and step_time_s must be >= 0")
+        if any(v < 0 for v in self.load_by_model.values()):
+            raise ValueError(f"load_by_model values must be >= 0, got {dict(self.load_by_model)!r}")
+        for name in ("registered", "resident", "host_cached"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        object.__setattr__(self, "load_by_model", dict(self.load_by_model))
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running on this worker, all models together."""
+        return sum(self.load_by_model.values())
+
+    def residency(self, model: str) -> int:
+        if model in self.resident:
+            return RESIDENT
+        if model in self.host_cached or model in self.registered:
+            return HOST_CACHED
+        return COLD
+
+    @classmethod
+    def from_stats(cls, stats: WorkerStats, host_cached=(), extra_load: Mapping[str, int] | None = None,
+                   alive: bool = True, node_id: str | None = None) -> "WorkerView":
+        """The view of a worker from its `stats()`.
+
+        `extra_load` holds requests the router dispatched that the worker may not have
+        counted yet (sent after its last stats); per model the larger count wins.
+        `node_id`: where the router placed the worker (overrides what the worker says).
+        """
+        engine = stats.engine
+        load: collections.Counter = collections.Counter()
+        for counts in (engine.queue_depth, engine.running):
+            load.update({m: int(n) for m, n in counts.items()})
+        for model, n in (extra_load or {}).items():
+            load[model] = max(load[model], int(n))
+        return cls(
+            worker_id=stats.worker_id, node_id=node_id if node_id is not None else stats.node_id,
+            registered=frozenset(engine.registered), resident=frozenset(engine.resident),
+            host_cached=frozenset(host_cached), load_by_model={m: n for m, n in load.items() if n > 0},
+            kv_free_frac=engine.kv_free_frac, role=stats.role, num_slots=engine.num_slots,
+            slot_bytes=engine.slot_bytes, step_time_s=engine.decode_step_s, alive=alive)
+
+    def to_dict(self) -> dict:
+        return {
+            "worker_id": self.worker_id, "node_id": self.node_id,
+            "registered": sorted(self.registered), "resident": sorted(self.resident),
+            "host_cached": sorted(self.host_cached), "load_by_model": dict(self.load_by_model),
+            "load": self.load, "kv_free_frac": self.kv_free_frac, "role": self.role,
+            "num_slots": self.num_slots, "slot_bytes": self.slot_bytes,
+            "step_time_s": self.step_time_s, "alive": self.alive,
+        }
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What the PlacementService plans from (producer: GlobalRouter.load_report)."""
+
+    workers: tuple[WorkerView, ...]
+    load: Mapping[str, "ModelLoad"]     # per model: arrival rate, queued, running
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    """The router's state for operators (producer: GlobalRouter.status)."""
+
+    workers: Mapping[str, WorkerView]
+    pending: Mapping[str, int]          # dispatched and not released, per model
+    servable: tuple[str, ...]
+    plan_version: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"workers": {w: v.to_dict() for w, v in self.workers.items()}, "pending": dict(self.pending),
+                "servable": list(self.servable), "plan_version": self.plan_version}
+
+
+@dataclass(frozen=True)
+class WorkerDown:
+    """A worker that did not answer `stats()` for a status."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """Workers, the placement plan and the router of one cluster (producer: Topology.status),
+    shown by `tokenmux status`."""
+
+    workers: Mapping[str, WorkerStats | WorkerDown]
+    plan: "PlacementPlan | None"
+    router: RouterStatus
+    models: Mapping[str, str] = field(default_factory=dict)   # name -> checkpoint dir (the Serve app adds them)
+    policy: str | None = None
+
+    def alive(self) -> dict[str, WorkerStats]:
+        return {w: s for w, s in self.workers.items() if isinstance(s, WorkerStats)}
+
+    def to_dict(self) -> dict:
+        workers = {w: ({"alive": True, **s.to_dict()} if isinstance(s, WorkerStats) else
+                       {"alive": False, "error": s.error}) for w, s in self.workers.items()}
+        return {"workers": workers, "plan": self.plan.to_dict() if self.plan else None,
+                "router": self.router.to_dict(), "models": dict(self.models), "policy": self.policy}

@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
+
 ROLES = ("mixed", "prefill", "decode")
 
 
@@ -55,8 +57,8 @@ class PackLimits:
     max_load: float = 0.9
     round_ttft_frac: float = 0.5
     max_models_per_worker: int = 32
-    quota_max_s: float = 4.0                    # the scheduler's Q_max (SchedulerConfig)
-    quota_switch_factor: float | None = 8.0     # the scheduler's K (SchedulerConfig)
+    quota_max_s: float = QUOTA_MAX_S                    # the scheduler's Q_max (SchedulerConfig)
+    quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR     # the scheduler's K (SchedulerConfig)
     sticky_slack: float = 1.25                  # a previous assignment stays while within limits x this
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.packing import ModelCost, PackItem, PackLimits, WorkerBin, pack, replica, replicas_needed
-from scheduler.policy import SchedulerConfig
+from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ class PlacementConfig:
     swap_bytes_per_s: float = 8e9       # host cache -> slot: prices a switch
     default_decode_step_s: float = 0.02  # when neither the model nor the workers say
     default_prefill_s: float = 0.05
-    quota_max_s: float = SchedulerConfig.quota_max_s
-    quota_switch_factor: float | None = SchedulerConfig.quota_switch_factor
+    quota_max_s: float = QUOTA_MAX_S
+    quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR
 
     def __post_init__(self) -> None:
         self.pack_limits()   # validates the packing fields

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, KVShape, blocks_for_tokens
+from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ class SchedulerConfig:
     max_prefill_group: int = 8  # requests of one model prefilled as a group (amortises a switch)
     max_prefill_tokens: int = 8192  # token budget of one prefill step (one request may exceed it)
     max_batch_size: int = 256  # requests in one decode step
-    quota_max_s: float = 4.0  # Q_max of the quota rule
+    quota_max_s: float = QUOTA_MAX_S  # Q_max of the quota rule
     min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
-    quota_switch_factor: float | None = 8.0  # cap quotas at this x the round's switch cost (None: Q_max only)
+    quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
 
     def __post_init__(self) -> None:
         for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps"):
@@ -94,6 +95,7 @@ class SchedulingPolicy(ABC):
         self.running: dict[str, list[Request]] = {}  # per model: RUNNING or SWAPPED, oldest first
         self.resident: set[str] = set()  # models whose weights are on the device (engine's hint)
         self.num_preemptions = 0
+        self.last_alpha: float | None = None  # quota rule's alpha of the latest round (policies that use it)
         self._order: dict[str, int] = {}  # request id -> admission number (ties in arrival time)
         self._next_order = 0
         self._deferred_host_frees: list[tuple[KVShape, list[int]]] = []
@@ -125,6 +127,26 @@ class SchedulingPolicy(ABC):
         self.resident = set(models)
 
     def add_request(self, request: Request) -> None:
+        self._check_new(request)
+        self._register(request)
+        self._enqueue_waiting(request)
+
+    def adopt_request(self, request: Request, block_ids: list[int], num_computed_tokens: int) -> None:
+        """Admit a request another worker prefilled straight into RUNNING: `block_ids` (allocated
+        from this policy's block manager) already hold the KV of its first num_computed_tokens."""
+        self._check_new(request)
+        if not 0 < num_computed_tokens < request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: num_computed_tokens must be in (0, "
+                             f"{request.num_tokens}), got {num_computed_tokens}")
+        if len(block_ids) != blocks_for_tokens(num_computed_tokens):
+            raise ValueError(f"request {request.request_id!r}: {num_computed_tokens} tokens need "
+                             f"{blocks_for_tokens(num_computed_tokens)} blocks, got {len(block_ids)}")
+        request.block_ids, request.num_computed_tokens = list(block_ids), num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self._register(request)
+        self._insert_running(request)
+
+    def _check_new(self, request: Request) -> None:
         entry = self._entry(request.model)
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
@@ -137,10 +159,11 @@ class SchedulingPolicy(ABC):
                 f"request {request.request_id!r} needs {need} KV blocks for prompt + max_tokens "
                 f"({request.max_num_tokens} tokens) but the pool holds {capacity} for model {request.model!r}"
             )
+
+    def _register(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._order[request.request_id] = self._next_order
         self._next_order += 1
-        self._enqueue_waiting(request)
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED):
         """Finish a request early (client gone, or a stop string found); frees its blocks."""
@@ -168,9 +191,7 @@ class SchedulingPolicy(ABC):
         self._entry(request.model)
         if request.request_id in self.requests or request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request.request_id!r} cannot be reattached ({request.status.name})")
-        self.requests[request.request_id] = request
-        self._order[request.request_id] = self._next_order
-        self._next_order += 1
+        self._register(request)
         self._insert_running(request)
 
     def adopt_request(self, request: Request, num_computed_tokens: int) -> list[int] | None:

@@ -1,4 +1,8 @@
-"""Policy names for configs and CLIs: "token" | "request" | "dedicated" -> a SchedulingPolicy."""
+"""The one registry of scheduling policy names: "token" | "request" | "dedicated" -> a SchedulingPolicy.
+
+Configs (EngineConfig, AppArgs, SimConfig), the CLI's choices and the load test's
+contenders all read the names from here, so a new policy is registered once.
+"""
 from __future__ import annotations
 
 from scheduler.dedicated import DedicatedPolicy
@@ -13,6 +17,14 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
     "request": RequestLevelPolicy,
     "dedicated": DedicatedPolicy,
 }
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
+def check_policy_name(name: str) -> str:
+    """`name` if it names a policy, else ValueError listing the names."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return name
 
 
 def make_policy(
@@ -22,7 +34,4 @@ def make_policy(
     estimator: StepLatencyEstimator | None = None,
     config: SchedulerConfig | None = None,
 ) -> SchedulingPolicy:
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
-    return cls(block_manager, config, estimator, host_block_manager)
+    return POLICIES[check_policy_name(name)](block_manager, config, estimator, host_block_manager)

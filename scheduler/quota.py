@@ -42,6 +42,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The rule's defaults, shared by SchedulerConfig (the engine) and PackLimits/PlacementConfig
+# (placement prices a worker's rounds with the same quotas the engine will grant).
+QUOTA_MAX_S = 4.0            # Q_max
+QUOTA_SWITCH_FACTOR = 8.0    # K: quotas capped at K x the round's switch cost
+
 
 @dataclass(frozen=True)
 class QuotaPlan:

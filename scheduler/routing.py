@@ -1,8 +1,8 @@
 """Routing: which worker takes a new request of a model.
 
-The GlobalRouter (cluster/router.py) keeps one `WorkerView` per worker, built from the
-worker's latest `stats()` plus what the router itself has dispatched since, and asks
-`RoutingPolicy.pick`. The rule, enforced in `pick`:
+The GlobalRouter (cluster/router.py) keeps one `WorkerView` (scheduler/messages.py) per
+worker, built from the worker's latest `WorkerStats` (its measured decode step time
+included) plus what the router itself has dispatched since, and asks `RoutingPolicy.pick`. The rule, enforced in `pick`:
 
   1. Candidates are the live workers the placement plan lets hold the model (without a
      plan: the workers that have it registered). New requests go to workers that
@@ -24,17 +24,18 @@ model's workers are above the load threshold (`is_hot`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scheduler.messages import COLD, HOST_CACHED, RESIDENT, ROLES, WorkerView
 from scheduler.slo import SLO
 
 if TYPE_CHECKING:
     from scheduler.placement import PlacementPlan
 
-ROLES = ("mixed", "prefill", "decode")
-RESIDENT, HOST_CACHED, COLD = 0, 1, 2  # residency tiers, best first
+__all__ = ["COLD", "HOST_CACHED", "LoadTracker", "NoWorkerError", "RESIDENT", "ROLES", "RoutingConfig",
+           "RoutingPolicy", "WorkerView"]
 
 
 class NoWorkerError(LookupError):
@@ -48,98 +49,6 @@ class NoWorkerError(LookupError):
 
     def __reduce__(self):   # crosses Ray actor boundaries intact
         return (NoWorkerError, (self.model, self.servable))
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """Snapshot of one worker, as the router last saw it."""
-
-    worker_id: str
-    node_id: str
-    registered: frozenset[str] = frozenset()
-    resident: frozenset[str] = frozenset()       # weights in a device slot now
-    host_cached: frozenset[str] = frozenset()    # in the host weight cache of this node
-    load_by_model: Mapping[str, int] = field(default_factory=dict)  # queued + running
-    kv_free_frac: float = 1.0
-    role: str = "mixed"
-    num_slots: int = 1
-    slot_bytes: int = 0
-    step_time_s: float = 0.0                     # EMA of one step; 0 = unknown
-    alive: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("worker_id must be non-empty")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if not 0.0 <= self.kv_free_frac <= 1.0:
-            raise ValueError(f"kv_free_frac must be in [0, 1], got {self.kv_free_frac!r}")
-        if self.num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_slots!r}")
-        if self.slot_bytes < 0 or self.step_time_s < 0:
-            raise ValueError("slot_bytes and step_time_s must be >= 0")
-        if any(v < 0 for v in self.load_by_model.values()):
-            raise ValueError(f"load_by_model values must be >= 0, got {dict(self.load_by_model)!r}")
-        for name in ("registered", "resident", "host_cached"):
-            object.__setattr__(self, name, frozenset(getattr(self, name)))
-        object.__setattr__(self, "load_by_model", dict(self.load_by_model))
-
-    @property
-    def load(self) -> int:
-        """Requests queued or running on this worker, all models together."""
-        return sum(self.load_by_model.values())
-
-    def residency(self, model: str) -> int:
-        if model in self.resident:
-            return RESIDENT
-        if model in self.host_cached or model in self.registered:
-            return HOST_CACHED
-        return COLD
-
-    @classmethod
-    def from_stats(cls, stats: Mapping, host_cached: Iterable[str] = (),
-                   extra_load: Mapping[str, int] | None = None, alive: bool = True) -> "WorkerView":
-        """Build a view from a DeviceWorker `stats()` dict.
-
-        `extra_load` holds requests the router dispatched that the worker may not have
-        counted yet (sent after its last stats); per model the larger count wins.
-        """
-        load: dict[str, int] = collections.Counter()
-        for key in ("queue_depth", "running"):
-            for model, n in (stats.get(key) or {}).items():
-                load[model] += int(n)
-        for model, n in (extra_load or {}).items():
-            load[model] = max(load[model], int(n))
-        device = stats.get("device")
-        device = device if isinstance(device, Mapping) else {}   # a DeviceWorker reports "cpu"/"cuda"
-        return cls(
-            worker_id=str(stats["worker_id"]),
-            node_id=str(stats.get("node_id", "")),
-            registered=frozenset(stats.get("registered", ())),
-            resident=frozenset(stats.get("resident", ())),
-            host_cached=frozenset(host_cached) | frozenset(stats.get("host_cached", ())),
-            load_by_model={m: n for m, n in load.items() if n > 0},
-            kv_free_frac=min(1.0, max(0.0, float(stats.get("kv_free_frac", 1.0)))),
-            role=stats.get("role", "mixed"),
-            num_slots=int(stats.get("num_slots", 1)),
-            slot_bytes=int(stats.get("slot_bytes", device.get("budget_bytes", 0))),
-            step_time_s=float(stats.get("step_time_ema_s", 0.0)),
-            alive=alive,
-        )
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "WorkerView":
-        return cls(**{k: v for k, v in d.items() if k != "load"})
-
-    def to_dict(self) -> dict:
-        return {
-            "worker_id": self.worker_id, "node_id": self.node_id,
-            "registered": sorted(self.registered), "resident": sorted(self.resident),
-            "host_cached": sorted(self.host_cached), "load_by_model": dict(self.load_by_model),
-            "load": self.load, "kv_free_frac": self.kv_free_frac, "role": self.role,
-            "num_slots": self.num_slots, "slot_bytes": self.slot_bytes,
-            "step_time_s": self.step_time_s, "alive": self.alive,
-        }
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._round: deque[str] = deque()  # models still to take a turn in this round
         self._quotas: dict[str, float] = {}
         self._last_model: str | None = None
-        self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
 
     @property
     def quotas(self) -> dict[str, float]:

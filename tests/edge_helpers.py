@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import uvicorn
 
 from load_tests.zoo import ensure_model
 from deploy.openai_api.engine_protocol import ModelInfo
 from fakes import FakeEngineClient
+from polling import wait_until
 from deploy.openai_api.ingress import build_ingress_app
 from deploy.openai_api.config import IngressConfig
 
@@ -49,14 +49,6 @@ def running_server(engine: FakeEngineClient, config: IngressConfig | None = None
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def expected_output(tokenizer, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], str]:

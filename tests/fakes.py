@@ -5,16 +5,20 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
+import torch
+
+from actors.output_stream import OutputAssembler
 from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
-from scheduler.messages import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerateRequest, OutputFrame
+from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+from scheduler.request import Request, RequestStatus
 
 
 class FakeEngineClient:
     """TEST DOUBLE, not an engine: emits the prompt's own token ids, cyclically.
 
     Output is deterministic (token k = prompt[k % len(prompt)]); it honours max_tokens,
-    stop strings (text is cut before the stop string, as OpenAI does), stop_token_ids and
-    abort. `seen`, `aborted`, `active` and `num_generated` let tests observe it.
+    stop_token_ids and abort, and turns tokens into text with the worker's own
+    OutputAssembler (the real detokenizer, stop strings cut and held back as a worker does). `seen`, `aborted`, `active` and `num_generated` let tests observe it.
     `fail_after_tokens` makes it fail once that many tokens were sent: with an error
     frame, or by raising when `fail_by_raising`.
     """
@@ -57,43 +61,35 @@ class FakeEngineClient:
             self.active.discard(req.request_id)
 
     async def _frames(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
-        tok = self.tokenizer(req.model)
-        params = req.sampling_params
+        # The worker's own output path (actors/output_stream.py): incremental detokenising,
+        # stop strings cut and held back; only the token source is fake.
+        request = Request.from_generate_request(req)   # no EOS ids: the fake stops on length or stops
+        assembler = OutputAssembler(self.tokenizer(req.model), request, torch.device("cpu"))
         prompt = req.prompt_token_ids
-        hold_back = max((len(s) for s in params.stop), default=1) - 1
-        output_ids: list[int] = []
-        sent_text = ""
         while True:
             await asyncio.sleep(self.frame_interval_s)
             if req.request_id in self.aborted:
                 return
-            if self.fail_after_tokens is not None and len(output_ids) >= self.fail_after_tokens:
+            if self.fail_after_tokens is not None and request.num_output_tokens >= self.fail_after_tokens:
                 if self.fail_by_raising:
                     raise RuntimeError("fake engine failure")
                 yield OutputFrame(req.request_id, finish_reason=FINISH_ERROR, error="fake engine failure",
                                   num_prompt_tokens=len(prompt), worker_id=self.worker_id)
                 return
-            new_ids, new_times, finish = [], [], None
-            while len(new_ids) < self.tokens_per_frame and finish is None:
-                token = prompt[len(output_ids) % len(prompt)]
-                output_ids.append(token)
-                new_ids.append(token)
-                new_times.append(time.time())
-                if token in params.stop_token_ids:
-                    finish = FINISH_STOP
-                elif len(output_ids) >= params.max_tokens:
-                    finish = FINISH_LENGTH
-            self.num_generated[req.request_id] = len(output_ids)
-            text = tok.decode(output_ids, skip_special_tokens=True)
-            cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if cuts:
-                text, finish = text[: min(cuts)], FINISH_STOP
-            ready = len(text) if finish else max(len(sent_text), len(text) - hold_back)
-            while ready > len(sent_text) and not finish and text[ready - 1] == "\ufffd":
-                ready -= 1  # an incomplete UTF-8 sequence: wait for its next byte
-            delta, sent_text = text[len(sent_text):ready], text[:ready]
-            yield OutputFrame(req.request_id, token_ids=new_ids, text=delta, token_times=new_times,
-                              finish_reason=finish, num_prompt_tokens=len(prompt),
-                              worker_id=self.worker_id)
-            if finish:
+            for _ in range(self.tokens_per_frame):
+                token = prompt[request.num_output_tokens % len(prompt)]
+                request.output_token_ids.append(token)
+                request.token_times.append(time.time())
+                status = request.check_stop(token)
+                if status is not None:
+                    request.status = status
+                    break
+            self.num_generated[req.request_id] = request.num_output_tokens
+            frame, stopped = assembler.frame(request)
+            if stopped and not request.is_finished:   # a stop string ended it, as in the engine
+                request.status = RequestStatus.FINISHED_STOPPED
+                frame.finish_reason = request.status.finish_reason
+            frame.worker_id = self.worker_id
+            yield frame
+            if request.is_finished:
                 return

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.polling import poll_until  # noqa: E402  (needs the path above)
 
 MiB = 1 << 20
 ENGINE = {"budget_bytes": 48 * MiB, "kv_bytes": 8 * MiB, "num_slots": 2, "slab_bytes": 512 * 1024,
@@ -48,7 +49,7 @@ async def collect(handle, rid, model, max_tokens=MAX_TOKENS) -> list[dict]:
     from scheduler.sampling_params import SamplingParams
 
     req = GenerateRequest(rid, model, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return [await ref async for ref in handle.generate.remote(req.to_dict())]
+    return [await ref async for ref in handle.generate.remote(req)]
 
 
 async def routed(router, rid, model, max_tokens=MAX_TOKENS) -> tuple[str, list[int], str | None]:
@@ -57,7 +58,7 @@ async def routed(router, rid, model, max_tokens=MAX_TOKENS) -> tuple[str, list[i
         frames = await collect(handle, rid, model, max_tokens)
     finally:
         await router.release.remote(wid, model)
-    return wid, [t for f in frames for t in f["token_ids"]], frames[-1]["finish_reason"]
+    return wid, [t for f in frames for t in f.token_ids], frames[-1].finish_reason
 
 
 def handoff(ray, topo, src, dst, model, rid) -> dict:
@@ -73,22 +74,13 @@ def handoff(ray, topo, src, dst, model, rid) -> dict:
             pass   # already placed there
     ray.get([w[src].set_role.remote("prefill"), w[dst].set_role.remote("decode"), w[src].set_router.remote(router)])
     ray.get([router.add_worker.remote(wid, w[wid], topo.worker_nodes[wid]) for wid in (src, dst)])
-    before = ray.get(w[dst].stats.remote())["handoff"]["adopted"]
+    before = ray.get(w[dst].stats.remote()).handoff.adopted
     frames = asyncio.run(collect(w[src], rid, model))
-    after = ray.get(w[dst].stats.remote())["handoff"]["adopted"]
+    after = ray.get(w[dst].stats.remote()).handoff.adopted
     ray.get([w[src].set_role.remote("mixed"), w[dst].set_role.remote("mixed"), w[src].set_router.remote(topo.router)])
     ray.kill(router)
-    return {"tokens": [t for f in frames for t in f["token_ids"]], "workers": [f["worker_id"] for f in frames],
-            "adopted": after - before, "finish": frames[-1]["finish_reason"]}
-
-
-def wait_until(cond, timeout_s: float, interval_s: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return cond()
+    return {"tokens": [t for f in frames for t in f.token_ids], "workers": [f.worker_id for f in frames],
+            "adopted": after - before, "finish": frames[-1].finish_reason}
 
 
 def main() -> dict:
@@ -133,16 +125,16 @@ def main() -> dict:
 
         # 3. a node joins at runtime: the watcher gives it workers
         cluster.add_node(**NODE)
-        out["joined"] = wait_until(lambda: len(topo.workers) == 6, 90)
+        out["joined"] = poll_until(lambda: len(topo.workers) == 6, 90, 0.25)
         new_node = next(iter(set(topo.worker_nodes.values()) - set(nodes)), None)
         out["new_workers"] = sorted(w for w, n in topo.worker_nodes.items() if n == new_node)
         # the router routes (and placement places) only on workers whose stats it has seen
-        out["joined"] &= wait_until(lambda: set(out["new_workers"]) <= set(
-            ray.get(topo.router.status.remote())["workers"]), 30)
+        out["joined"] &= poll_until(lambda: set(out["new_workers"]) <= set(
+            ray.get(topo.router.status.remote()).workers), 30, 0.25)
         # ... and takes traffic. Placement gives a new model to the least-loaded worker with the
         # fewest models (ties by id), so one new model per model-less worker (the two of the new
         # node, and the old workers holding nothing) puts some on the new node whatever the ids.
-        plan_now = ray.get(topo.placement.plan.remote())["assignments"]
+        plan_now = ray.get(topo.placement.plan.remote()).assignments
         idle = [w for w in topo.workers if not any(w in ws for ws in plan_now.values())]
         extras = [m for m in ("mistral-tiny-a", "mistral-tiny-b", "qwen2-tiny-c", "llama-tiny-c",
                               "mistral-tiny-c", "qwen2-tiny-a") if m not in MODELS][:len(idle)]
@@ -161,7 +153,7 @@ def main() -> dict:
         # 4. a burst on one model spreads it over more workers (the new node's included), then shrinks back
         # Replans are driven from here (the periodic one is slow), so roles set above stay put.
         plan = lambda: ray.get(topo.placement.replan.remote())   # noqa: E731
-        out["replicas_before"] = len(plan()["assignments"][model])
+        out["replicas_before"] = len(plan().assignments[model])
 
         async def burst():
             results, seen = [], 0
@@ -171,7 +163,7 @@ def main() -> dict:
             peak = 0
             tasks = [asyncio.create_task(client(i)) for i in range(16)]
             while not all(t.done() for t in tasks):
-                peak = max(peak, len((await topo.placement.replan.remote())["assignments"][model]))
+                peak = max(peak, len((await topo.placement.replan.remote()).assignments[model]))
                 await asyncio.sleep(0.2)
             await asyncio.gather(*tasks)
             return results, peak
@@ -182,15 +174,15 @@ def main() -> dict:
         out["burst_requests"], out["burst_failed"] = len(results), bad
         out["burst_workers"] = sorted({wid for wid, _, _ in results})
         out["replicas_peak"] = peak
-        out["shrunk"] = wait_until(lambda: len(plan()["assignments"][model]) == 1, 30)
-        out["replicas_after"] = len(plan()["assignments"][model])
+        out["shrunk"] = poll_until(lambda: len(plan().assignments[model]) == 1, 30, 0.25)
+        out["replicas_after"] = len(plan().assignments[model])
         out["timings"]["burst_s"] = time.monotonic() - t0
 
         # 5. a killed worker leaves routing; later requests still succeed
         other = MODELS[1]
-        victim = ray.get(topo.placement.plan.remote())["assignments"][other][0]
+        victim = ray.get(topo.placement.plan.remote()).assignments[other][0]
         ray.kill(topo.workers[victim])
-        out["victim_removed"] = wait_until(lambda: victim not in ray.get(topo.router.status.remote())["workers"], 20)
+        out["victim_removed"] = poll_until(lambda: victim not in ray.get(topo.router.status.remote()).workers, 20, 0.25)
         ok = []
         for i in range(3):
             for _ in range(20):   # the replan that re-places its model may still be on its way

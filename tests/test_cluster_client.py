@@ -69,9 +69,9 @@ def test_streams_a_whole_request_and_releases_it(cluster):
     assert sum(len(f.token_ids) for f in frames) == 12, frames
     assert frames[-1].finish_reason == "length" and frames[-1].worker_id == "w0"
     deadline = time.monotonic() + 5
-    while ray.get(router.status.remote())["pending"] and time.monotonic() < deadline:
+    while ray.get(router.status.remote()).pending and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert ray.get(router.status.remote())["pending"] == {}   # released
+    assert ray.get(router.status.remote()).pending == {}   # released
 
 
 def test_worker_killed_before_the_first_token_is_redispatched(cluster):
@@ -90,7 +90,7 @@ def test_worker_killed_before_the_first_token_is_redispatched(cluster):
     assert frames[-1].finish_reason == "length", frames[-1].error
     assert sum(len(f.token_ids) for f in frames) == 10
     assert {f.worker_id for f in frames} == {survivor}
-    assert set(ray.get(router.status.remote())["workers"]) == {survivor}   # reported and removed
+    assert set(ray.get(router.status.remote()).workers) == {survivor}   # reported and removed
 
 
 def test_worker_killed_mid_stream_ends_with_an_error_frame_keeping_the_tokens(cluster):
@@ -129,17 +129,17 @@ def test_abort_mid_stream_frees_the_workers_kv(cluster):
     async def main():
         frames = client.generate(_request("r4", 2000))
         first = await frames.__anext__()
-        busy = await worker.stats.remote()
+        busy = (await worker.stats.remote()).engine
         await client.abort("r4")
         await frames.aclose()
         return first, busy
 
     first, busy = asyncio.run(main())
-    assert first.token_ids and busy["running"] == {MODEL: 1} and busy["kv_free_frac"] < 1.0
+    assert first.token_ids and busy.running == {MODEL: 1} and busy.kv_free_frac < 1.0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        stats = ray.get(worker.stats.remote())
-        if not stats["running"] and not stats["queue_depth"] and stats["kv_free_frac"] == 1.0:
+        stats = ray.get(worker.stats.remote()).engine
+        if not stats.running and not stats.queue_depth and stats.kv_free_frac == 1.0:
             break
         time.sleep(0.1)
-    assert not stats["running"] and not stats["queue_depth"] and stats["kv_free_frac"] == 1.0
+    assert not stats.running and not stats.queue_depth and stats.kv_free_frac == 1.0

@@ -191,7 +191,7 @@ def test_unregister_waits_for_live_requests_and_reregister_is_idempotent(zoo_mod
     model = "llama-tiny-a"
     path = zoo_model(model)
     engine = _engine({model: path}, num_slots=1)
-    assert engine.register_model(model, path)["name"] == model     # same checkpoint again: no-op
+    assert engine.register_model(model, path).name == model     # same checkpoint again: no-op
     engine.add_request(GenerateRequest("live", model, (5, 6), SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="still has 1 unfinished"):
         engine.unregister_model(model)

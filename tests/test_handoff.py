@@ -57,70 +57,95 @@ def _prefill(handoff, engine, steps=1):
     first = []
     for _ in range(steps):
         first += [t for f in engine.step() for t in f.token_ids]
-    return first, handoff.detach_and_export(engine, "r", handoff.node_id)
+    return first, handoff.detach_and_export("r", handoff.transfers.node_id)
+
+
+def _ends(sender, receiver=None, shared=False):
+    """The engine-thread handoff of a sender (and a receiver) on one node, over their own transfers."""
+    from actors.handoff import KVHandoff
+    from actors.kv_transfer import KVTransfers
+
+    src_t, dst_t = KVTransfers("p", "node", "cpu"), KVTransfers("d", "node", "cpu")
+    engine = sender(src_t.shared_kv_region(ENGINE["kv_bytes"]) if shared else None)
+    ends = [KVHandoff(engine, src_t)] + ([KVHandoff(receiver(), dst_t)] if receiver else [])
+    return ends, (src_t, dst_t)
 
 
 @pytest.mark.parametrize("shared,overrides", [(True, {}), (False, {}), (False, {"slab_bytes": 500 * 1024})],
                          ids=["zero-copy", "staged", "slab-tail"])
 def test_decode_after_shm_handoff_equals_single_worker_greedy(path, reference, shared, overrides):
-    from actors.handoff import KVHandoff
-
-    src, dst = KVHandoff("p", "node", "cpu"), KVHandoff("d", "node", "cpu")
-    sender = _engine(path, src.shared_kv_region(ENGINE["kv_bytes"]) if shared else None, **overrides)
-    receiver = _engine(path, **overrides)
+    (src, dst), transfers = _ends(lambda buf: _engine(path, buf, **overrides), lambda: _engine(path, **overrides),
+                                  shared)
+    sender, receiver = src.engine, dst.engine
     try:
         first, (state, desc) = _prefill(src, sender, steps=2)   # a decode step before the handoff, too
         assert desc.transport == "shm" and (desc.handle["path"].split("-")[-2] == "region") == shared
-        assert dst.adopt(receiver, state, desc) is True
-        src.finish_export(sender, "r", handed_off=True)
+        assert dst.adopt(state, desc) is True
+        src.end_export("r", handed_off=True)
         assert sender.blocks.usage()["num_free_slabs"] == sender.blocks.num_slabs   # KV freed on the sender
         assert not sender.has_unfinished()
         assert first + _run(receiver)["r"] == reference
     finally:
-        src.close()
-        dst.close()
+        for t in transfers:
+            t.close()
 
 
 def test_failed_import_recomputes_and_loses_nothing(path, reference):
-    from actors.handoff import KVHandoff
-
-    src, dst = KVHandoff("p", "node", "cpu"), KVHandoff("d", "node", "cpu")
-    sender, receiver = _engine(path), _engine(path)
+    (src, dst), transfers = _ends(lambda buf: _engine(path, buf), lambda: _engine(path))
+    sender, receiver = src.engine, dst.engine
     try:
         first, (state, desc) = _prefill(src, sender)
         os.unlink(desc.handle["path"])   # the staging file is gone before the receiver maps it
-        src.transports["shm"]._free_staging.clear()
-        assert dst.adopt(receiver, state, desc) is False
+        transfers[0].transports["shm"]._free_staging.clear()
+        assert dst.adopt(state, desc) is False
         assert dst.num_recomputed == 1
-        src.finish_export(sender, "r", handed_off=True)
+        src.end_export("r", handed_off=True)
         assert first + _run(receiver)["r"] == reference
     finally:
-        src.close()
-        dst.close()
+        for t in transfers:
+            t.close()
 
 
 def test_a_held_request_can_continue_where_it_was(path, reference):
-    from actors.handoff import KVHandoff
-
-    src = KVHandoff("p", "node", "cpu")
-    sender = _engine(path)
+    (src,), transfers = _ends(lambda buf: _engine(path, buf))
+    sender = src.engine
     try:
         first, (state, desc) = _prefill(src, sender)
         assert not sender.has_unfinished()   # held: nothing schedules it
-        src.finish_export(sender, "r", handed_off=False)
+        src.end_export("r", handed_off=False)
         assert first + _run(sender)["r"] == reference
     finally:
-        src.close()
+        for t in transfers:
+            t.close()
 
 
-def test_add_prefilled_rejects_bad_state(path):
+def test_a_request_held_after_prefill_waits_however_many_steps_run(path, reference):
+    """A prefill worker's request never decodes on while its handoff is decided (a fast engine
+    would otherwise finish it before the decode worker is known)."""
+    engine = _engine(path)
+    engine.add_request(_request(), hold_after_prefill=True)
+    first = [t for f in engine.step() for t in f.token_ids]
+    assert len(first) == 1 and not engine.has_unfinished()
+    assert engine.step() == []
+    state, blocks = engine.detach("r")
+    assert list(state.output_token_ids) == first and state.num_computed_tokens == len(PROMPT)
+    engine.end_detach("r", handed_off=False)   # no decode worker after all: it goes on here
+    assert first + _run(engine)["r"] == reference
+    engine.add_request(_request("gone"), hold_after_prefill=True)
+    engine.step()
+    assert engine.abort("gone") and engine.blocks.usage()["num_free_slabs"] == engine.blocks.num_slabs
+
+
+def test_adopt_rejects_bad_state(path):
+    from scheduler.messages import HandoffState
+
     engine = _engine(path)
     with pytest.raises(ValueError, match="output token"):
-        engine.add_prefilled(_request("a"), [], [], 0)
+        engine.adopt(HandoffState(_request("a"), [], [], 0, 0))
     with pytest.raises(ValueError, match="already finished"):
-        engine.add_prefilled(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], len(PROMPT) + 1)
+        engine.adopt(HandoffState(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], len(PROMPT) + 1, 0))
     with pytest.raises(ValueError, match="unknown model"):
-        engine.add_prefilled(GenerateRequest("c", "nope", PROMPT), [5], [0.0], len(PROMPT))
+        engine.adopt(HandoffState(GenerateRequest("c", "nope", PROMPT), [5], [0.0], len(PROMPT), 0))
     assert not engine.has_unfinished() and not engine.requests
 
 
@@ -151,28 +176,45 @@ def pair(ray_session, path):
 
 
 async def _collect(handle, req):
-    return [await ref async for ref in handle.generate.remote(req.to_dict())]
+    return [await ref async for ref in handle.generate.remote(req)]
 
 
 def test_caller_keeps_one_stream_across_the_handoff(pair, reference):
     ray, router, prefill, decode = pair
     frames = asyncio.run(_collect(prefill, _request("s1")))
-    assert [t for f in frames for t in f["token_ids"]] == reference
-    assert frames[0]["worker_id"] == "pre" and frames[-1]["worker_id"] == "dec"
-    assert frames[-1]["finish_reason"] == "length"
-    assert ray.get(prefill.stats.remote())["handoff"]["handed_off"] == 1
-    assert ray.get(decode.stats.remote())["handoff"]["adopted"] == 1
-    stats = ray.get(prefill.stats.remote())
-    assert stats["kv_free_frac"] == 1.0 and not stats["running"]
+    assert [t for f in frames for t in f.token_ids] == reference
+    assert frames[0].worker_id == "pre" and frames[-1].worker_id == "dec"
+    assert frames[-1].finish_reason == "length"
+    assert ray.get(prefill.stats.remote()).handoff.handed_off == 1
+    assert ray.get(decode.stats.remote()).handoff.adopted == 1
+    stats = ray.get(prefill.stats.remote()).engine
+    assert stats.kv_free_frac == 1.0 and not stats.running
+
+
+def test_a_decode_worker_refuses_a_model_it_lacks_and_its_stream_ends_with_the_reason(pair):
+    from actors.frame_stream import stream_frames
+    from scheduler.messages import HandoffState
+
+    ray, router, prefill, decode = pair
+    state = HandoffState(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0, 0)
+
+    async def dispatch():
+        ack_ref = decode.adopt_prefilled.remote(state, None)
+        async with stream_frames(decode.generate_prefilled.remote("refused")) as frames:
+            return await ack_ref, [f async for f in frames]
+
+    ack, frames = asyncio.run(dispatch())
+    assert not ack.adopted and "nope" in ack.error
+    assert [f.finish_reason for f in frames] == ["error"] and "nope" in frames[0].error
 
 
 def test_dead_decode_worker_loses_nothing(pair, reference):
     ray, router, prefill, decode = pair
     ray.kill(decode)   # the router has not noticed yet: the prefill worker finds out on the handoff
     frames = asyncio.run(_collect(prefill, _request("s2")))
-    assert [t for f in frames for t in f["token_ids"]] == reference
-    assert {f["worker_id"] for f in frames} == {"pre"}
-    assert frames[-1]["finish_reason"] == "length"
+    assert [t for f in frames for t in f.token_ids] == reference
+    assert {f.worker_id for f in frames} == {"pre"}
+    assert frames[-1].finish_reason == "length"
 
 
 @pytest.mark.gpu
@@ -193,8 +235,8 @@ def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, pa
                  prefill.set_router.remote(router)])
         ray.get([router.add_worker.remote("gpre", prefill, "n"), router.add_worker.remote("gdec", decode, "n")])
         frames = asyncio.run(_collect(prefill, _request("g1")))
-        assert frames[-1]["worker_id"] == "gdec"
-        assert [t for f in frames for t in f["token_ids"]] == reference
+        assert frames[-1].worker_id == "gdec"
+        assert [t for f in frames for t in f.token_ids] == reference
     finally:
         for h in (prefill, decode, router):
             ray.kill(h)

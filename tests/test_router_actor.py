@@ -9,7 +9,11 @@ import time
 
 import pytest
 
+from polling import poll_until
+from scheduler.messages import EngineStats, RegisteredModel, WorkerStats
+from scheduler.placement import PlacementConfig
 from scheduler.routing import NoWorkerError
+from scheduler.slo import SLO
 
 GB = 1 << 30
 
@@ -25,17 +29,16 @@ def _fake_worker_class(ray):
             self.registered, self.resident = set(registered), set(resident)
             self.queue, self.role, self.calls = {}, "mixed", []
 
-        def stats(self):
-            return {"worker_id": self.worker_id, "node_id": self.node_id,
-                    "device": {"name": "cpu", "budget_bytes": 2 * self.slot_bytes},
-                    "registered": sorted(self.registered), "resident": sorted(self.resident),
-                    "num_slots": 2, "slot_bytes": self.slot_bytes, "queue_depth": dict(self.queue),
-                    "running": {}, "kv_free_frac": 1.0, "step_time_ema_s": 0.01, "role": self.role}
+        def stats(self):   # the worker's own message type: a fake cannot invent keys
+            engine = EngineStats(registered=tuple(sorted(self.registered)), resident=tuple(sorted(self.resident)),
+                                 num_slots=2, slot_bytes=self.slot_bytes, budget_bytes=2 * self.slot_bytes,
+                                 queue_depth=dict(self.queue), decode_step_s=0.01)
+            return WorkerStats(self.worker_id, self.node_id, engine, role=self.role)
 
         def register_model(self, name, path):
             self.calls.append(("register", name, path))
             self.registered.add(name)
-            return {"name": name, "weight_bytes": GB}
+            return RegisteredModel(name, path, "LlamaForCausalLM", 256, GB, 1024)
 
         def unregister_model(self, name):
             self.calls.append(("unregister", name))
@@ -56,15 +59,6 @@ def _fake_worker_class(ray):
             return list(self.calls)
 
     return FakeWorker
-
-
-def _wait_until(cond, timeout_s=10.0, interval_s=0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval_s)
-    return cond()
 
 
 INITIAL = {"w0": (("a", "b"), ("a",)), "w1": (("a",), ()), "w2": (("a", "c"), ())}   # registered, resident
@@ -98,10 +92,10 @@ def test_pick_prefers_resident_worker_and_release_clears_pending(cluster):
     ray, router, workers = cluster
     wid, handle = ray.get(router.pick.remote("a"))
     assert wid == "w0"
-    assert ray.get(handle.stats.remote())["worker_id"] == "w0"   # the handle is the worker's own
-    assert ray.get(router.status.remote())["pending"] == {"a": 1}
+    assert ray.get(handle.stats.remote()).worker_id == "w0"   # the handle is the worker's own
+    assert ray.get(router.status.remote()).pending == {"a": 1}
     ray.get(router.release.remote("w0", "a"))
-    assert ray.get(router.status.remote())["pending"] == {}
+    assert ray.get(router.status.remote()).pending == {}
 
 
 def test_unknown_model_raises_no_worker_error_naming_servable_models(cluster):
@@ -113,8 +107,8 @@ def test_unknown_model_raises_no_worker_error_naming_servable_models(cluster):
 def test_load_spreads_when_the_resident_worker_is_busy(cluster):
     ray, router, workers = cluster
     ray.get(workers["w0"].set_queue.remote("a", 200))   # 200 x 10 ms queue: no TTFT headroom left
-    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 200)
-    picked = [ray.get(router.pick.remote("a", {"ttft_s": 2.0, "tbt_s": 0.1}))[0] for _ in range(6)]
+    assert poll_until(lambda: ray.get(router.status.remote()).workers["w0"].load == 200)
+    picked = [ray.get(router.pick.remote("a", SLO(ttft_s=2.0, tbt_s=0.1)))[0] for _ in range(6)]
     assert "w0" not in picked and set(picked) == {"w1", "w2"}
 
 
@@ -123,13 +117,13 @@ def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
     doomed = _fake_worker_class(ray).remote("w3", "n1", registered=("a", "e"), resident=("a",))
     ray.get(router.add_worker.remote("w3", doomed, "n1"))
     ray.get(workers["w0"].set_queue.remote("a", 3))   # so w3 (resident, idle) is the best for `a`
-    assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 3)
+    assert poll_until(lambda: ray.get(router.status.remote()).workers["w0"].load == 3)
     assert ray.get(router.pick.remote("a"))[0] == "w3"
     ray.kill(doomed)
-    assert _wait_until(lambda: "w3" not in ray.get(router.status.remote())["workers"])
+    assert poll_until(lambda: "w3" not in ray.get(router.status.remote()).workers)
     status = ray.get(router.status.remote())
-    assert status["pending"] == {}          # its in-flight request is forgotten with it
-    assert "e" not in status["servable"]    # only w3 held it
+    assert status.pending == {}          # its in-flight request is forgotten with it
+    assert "e" not in status.servable    # only w3 held it
     picked = {ray.get(router.pick.remote("a"))[0] for _ in range(5)}
     assert picked and picked <= {"w0", "w1", "w2"}
     with pytest.raises(NoWorkerError, match="a, b, c"):
@@ -148,8 +142,8 @@ def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers)
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
         assert ray.get(router.pick.remote("a"))[0] == "w3"
         ray.kill(doomed)
-        assert _wait_until(lambda: ray.get(router.report_failure.remote("w3")) or
-                           "w3" not in ray.get(router.status.remote())["workers"])
+        assert poll_until(lambda: ray.get(router.report_failure.remote("w3")) or
+                           "w3" not in ray.get(router.status.remote()).workers)
         assert all(ray.get(router.pick.remote("a"))[0] == "w1" for _ in range(3))
         assert not ray.get(router.report_failure.remote("w1"))
     finally:
@@ -162,35 +156,36 @@ def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(clu
 
     models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b", "c", "d")}
     config = {"scale_out_load": 8, "scale_in_load": 2, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}
-    placement = PlacementService.remote(models=models, config=config, interval_s=60.0, router=router)
+    placement = PlacementService.remote(models=models, config=PlacementConfig(**config), interval_s=60.0,
+                                        router=router)
     try:
         plan = ray.get(placement.replan.remote())
-        assert set(plan["assignments"]) == {"a", "b", "c", "d"}
-        assert ray.get(router.plan.remote())["version"] == plan["version"]
+        assert set(plan.assignments) == {"a", "b", "c", "d"}
+        assert ray.get(router.plan.remote()).version == plan.version
         # Each worker now holds exactly the models the plan gives it (registered or unregistered to match).
         for wid, handle in workers.items():
-            want = {m for m, ws in plan["assignments"].items() if wid in ws}
-            assert set(ray.get(handle.stats.remote())["registered"]) == want
-        d_holder = plan["assignments"]["d"][0]
+            want = {m for m, ws in plan.assignments.items() if wid in ws}
+            assert set(ray.get(handle.stats.remote()).engine.registered) == want
+        d_holder = plan.assignments["d"][0]
         assert ("register", "d", "/models/d") in ray.get(workers[d_holder].get_calls.remote())
         # The router routes by the plan: `d` goes to its planned worker.
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][d_holder]["registered"].count("d") == 1)
+        assert poll_until(lambda: sorted(ray.get(router.status.remote()).workers[d_holder].registered).count("d") == 1)
         assert ray.get(router.pick.remote("d"))[0] == d_holder
         ray.get(router.release.remote(d_holder, "d"))
 
         # Burst on `a`: its queue grows on its worker; each replan adds one worker.
-        a_holder = plan["assignments"]["a"][0]
+        a_holder = plan.assignments["a"][0]
         ray.get(workers[a_holder].set_queue.remote("a", 40))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 40)
-        sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
+        assert poll_until(lambda: ray.get(router.status.remote()).workers[a_holder].load == 40)
+        sizes = [len(ray.get(placement.replan.remote()).assignments["a"]) for _ in range(3)]
         assert sizes == [2, 3, 3]
-        assert all("a" in ray.get(h.stats.remote())["registered"] for h in workers.values())
+        assert all("a" in ray.get(h.stats.remote()).engine.registered for h in workers.values())
         # Burst over: it shrinks back to one worker.
         ray.get(workers[a_holder].set_queue.remote("a", 0))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"][a_holder]["load"] == 0)
-        sizes = [len(ray.get(placement.replan.remote())["assignments"]["a"]) for _ in range(3)]
+        assert poll_until(lambda: ray.get(router.status.remote()).workers[a_holder].load == 0)
+        sizes = [len(ray.get(placement.replan.remote()).assignments["a"]) for _ in range(3)]
         assert sizes[-1] == 1
-        assert ray.get(placement.plan.remote())["assignments"]["a"] == [a_holder]
+        assert list(ray.get(placement.plan.remote()).assignments["a"]) == [a_holder]
     finally:
         ray.kill(placement)
 
@@ -200,21 +195,22 @@ def test_placement_service_splits_roles_under_load(cluster):
     from cluster.placement_service import PlacementService
 
     models = {"a": {"path": "/models/a", "weight_bytes": GB}}
-    placement = PlacementService.remote(models=models, config={"split_load": 10, "merge_load": 1}, router=router)
+    placement = PlacementService.remote(models=models, config=PlacementConfig(split_load=10, merge_load=1),
+                                        router=router)
     try:
-        assert not ray.get(placement.replan.remote())["split"]
+        assert not ray.get(placement.replan.remote()).split
         ray.get(workers["w0"].set_queue.remote("a", 30))
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w0"]["load"] == 30)
+        assert poll_until(lambda: ray.get(router.status.remote()).workers["w0"].load == 30)
         plan = ray.get(placement.replan.remote())
-        assert plan["split"]
-        roles = {wid: ray.get(h.stats.remote())["role"] for wid, h in workers.items()}
-        assert roles == plan["roles"] and set(roles.values()) == {"prefill", "decode"}
+        assert plan.split
+        roles = {wid: ray.get(h.stats.remote()).role for wid, h in workers.items()}
+        assert roles == plan.roles and set(roles.values()) == {"prefill", "decode"}
         # New requests go to a prefill worker, the KV handoff target is a decode worker.
-        assert _wait_until(lambda: {v["role"] for v in ray.get(router.status.remote())["workers"].values()}
+        assert poll_until(lambda: {v.role for v in ray.get(router.status.remote()).workers.values()}
                            == {"prefill", "decode"})
         wid, _ = ray.get(router.pick.remote("a"))
-        assert plan["roles"][wid] == "prefill"
-        assert plan["roles"][ray.get(router.pick_decode.remote("a"))[0]] == "decode"
+        assert plan.roles[wid] == "prefill"
+        assert plan.roles[ray.get(router.pick_decode.remote("a"))[0]] == "decode"
     finally:
         ray.kill(placement)
 
@@ -231,10 +227,10 @@ def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
         assert ray.get(router.pick.remote("a"))[0] == "w3"
         hung = slow.hang.remote(4.0)
-        assert _wait_until(lambda: not ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert poll_until(lambda: not ray.get(router.status.remote()).workers["w3"].alive)
         assert ray.get(router.pick.remote("a"))[0] == "w1"
         ray.get(hung)
-        assert _wait_until(lambda: ray.get(router.status.remote())["workers"]["w3"]["alive"])
+        assert poll_until(lambda: ray.get(router.status.remote()).workers["w3"].alive)
         assert ray.get(router.pick.remote("a"))[0] == "w3"
     finally:
         for h in (router, slow):
@@ -247,14 +243,15 @@ def test_started_placement_replans_by_itself_and_follows_a_burst(cluster):
 
     models = {m: {"path": f"/models/{m}", "weight_bytes": GB} for m in ("a", "b")}
     config = {"scale_out_load": 4, "scale_in_load": 1, "cooldown_s": 0.0, "split_load": 1e6, "merge_load": 1e5}
-    placement = PlacementService.remote(models=models, config=config, interval_s=0.2, router=router)
+    placement = PlacementService.remote(models=models, config=PlacementConfig(**config), interval_s=0.2,
+                                        router=router)
     try:
         ray.get(placement.start.remote())
-        assert _wait_until(lambda: ray.get(router.plan.remote()) is not None)   # no replan was asked for
-        a_holder = ray.get(router.plan.remote())["assignments"]["a"][0]
+        assert poll_until(lambda: ray.get(router.plan.remote()) is not None)   # no replan was asked for
+        a_holder = ray.get(router.plan.remote()).assignments["a"][0]
         ray.get(workers[a_holder].set_queue.remote("a", 30))
-        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 3)
+        assert poll_until(lambda: len(ray.get(router.plan.remote()).assignments["a"]) == 3)
         ray.get(workers[a_holder].set_queue.remote("a", 0))
-        assert _wait_until(lambda: len(ray.get(router.plan.remote())["assignments"]["a"]) == 1)
+        assert poll_until(lambda: len(ray.get(router.plan.remote()).assignments["a"]) == 1)
     finally:
         ray.kill(placement)

@@ -6,6 +6,7 @@ import collections
 import pytest
 
 from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
+from scheduler.messages import EngineStats, WorkerStats
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.slo import SLO
 
@@ -123,10 +124,9 @@ def test_is_hot_only_when_every_worker_of_the_model_is_above_threshold():
 
 
 def test_from_stats_reads_worker_stats_and_router_dispatches():
-    stats = {"worker_id": "w0", "node_id": "n0", "device": {"name": "cpu", "budget_bytes": 10},
-             "registered": ["a", "b"], "resident": ["a"], "num_slots": 2, "slot_bytes": 5,
-             "queue_depth": {"a": 2}, "running": {"a": 1, "b": 1}, "kv_free_frac": 0.5,
-             "step_time_ema_s": 0.02, "role": "decode"}
+    engine = EngineStats(registered=("a", "b"), resident=("a",), num_slots=2, slot_bytes=5, budget_bytes=10,
+                         queue_depth={"a": 2}, running={"a": 1, "b": 1}, kv_free_frac=0.5, decode_step_s=0.02)
+    stats = WorkerStats("w0", "n0", engine, role="decode")
     v = WorkerView.from_stats(stats, host_cached={"c"}, extra_load={"b": 4})
     assert v.load_by_model == {"a": 3, "b": 4} and v.load == 7
     assert v.residency("a") < v.residency("b") == v.residency("c") < v.residency("zzz")

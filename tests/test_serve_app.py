@@ -120,16 +120,16 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(url):
             chunk = json.loads(line[5:]) if line.startswith("data:") and "[DONE]" not in line else {}
             if chunk.get("tokenmux", {}).get("token_ids"):   # tokens flow: the request is on a worker
                 break
-        busy = ray.get([w.stats.remote() for w in workers.values()])
-    assert any(s["running"] for s in busy) and min(s["kv_free_frac"] for s in busy) < 1.0, busy
+        busy = [s.engine for s in ray.get([w.stats.remote() for w in workers.values()])]
+    assert any(s.running for s in busy) and min(s.kv_free_frac for s in busy) < 1.0, busy
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        stats = ray.get([w.stats.remote() for w in workers.values()])
-        if all(not s["running"] and not s["queue_depth"] and s["kv_free_frac"] == 1.0 for s in stats):
+        stats = [s.engine for s in ray.get([w.stats.remote() for w in workers.values()])]
+        if all(not s.running and not s.queue_depth and s.kv_free_frac == 1.0 for s in stats):
             break
         time.sleep(0.2)
-    assert all(not s["running"] and not s["queue_depth"] for s in stats), stats
-    assert all(s["kv_free_frac"] == 1.0 for s in stats)
+    assert all(not s.running and not s.queue_depth for s in stats), stats
+    assert all(s.kv_free_frac == 1.0 for s in stats)
     # and the cluster still serves
     assert httpx.post(f"{url}/v1/completions", json=_body(max_tokens=2), timeout=60).status_code == 200
 
@@ -138,18 +138,18 @@ def test_status_table_shows_workers_and_models(url):
     from deploy.cli.commands import cluster_status, format_status
 
     status = cluster_status()
-    assert len(status["workers"]) == 2 and all(w["alive"] for w in status["workers"].values())
-    registered = set().union(*(w["registered"] for w in status["workers"].values()))
+    assert len(status.workers) == 2 and status.alive() == status.workers
+    registered = set().union(*(w.engine.registered for w in status.workers.values()))
     assert registered == set(MODELS)
     table = format_status(status)
-    assert all(wid in table for wid in status["workers"]) and all(m in table for m in MODELS)
+    assert all(wid in table for wid in status.workers) and all(m in table for m in MODELS)
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_host_the_workers_run_on_cuda(url):
     from deploy.cli.commands import cluster_status
 
-    devices = {w["device"] for w in cluster_status()["workers"].values()}
+    devices = {w.device for w in cluster_status().workers.values()}
     assert devices and all(str(d).startswith("cuda") for d in devices), devices
     resp = httpx.post(f"{url}/v1/completions", json=_body(max_tokens=8), timeout=120)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8

@@ -82,23 +82,23 @@ def test_one_worker_per_virtual_device_and_every_model_placed(topology, ray_sess
     node = ray_session.get_runtime_context().get_node_id()
     assert sorted(topology.workers) == [f"{node[:8]}-gpu{i}" for i in range(NUM_VIRTUAL_GPUS)]
     status = topology.status()
-    assert all(w["alive"] and w["node_id"] == node for w in status["workers"].values())
-    assert set(status["plan"]["assignments"]) == set(MODELS)
-    for model, holders in status["plan"]["assignments"].items():
-        assert holders and all(model in status["workers"][w]["registered"] for w in holders)
-    assert sorted(status["router"]["servable"]) == sorted(MODELS)
+    assert status.alive() == status.workers and all(w.node_id == node for w in status.workers.values())
+    assert set(status.plan.assignments) == set(MODELS)
+    for model, holders in status.plan.assignments.items():
+        assert holders and all(model in status.workers[w].engine.registered for w in holders)
+    assert sorted(status.router.servable) == sorted(MODELS)
 
 
 def test_request_through_router_streams_the_single_worker_greedy_output(topology, ray_session, zoo_model):
     ray = ray_session
     prompt = [11, 400, 77, 1234, 9, 18, 600, 5, 42, 300, 17, 88, 1500, 3, 71, 20, 19]   # crosses a block
 
-    async def run(model: str, rid: str) -> tuple[str, list[dict]]:
+    async def run(model: str, rid: str) -> tuple[str, list]:
         wid, handle = await topology.router.pick.remote(model)
         frames = []
         try:
             req = GenerateRequest(rid, model, prompt, SamplingParams(max_tokens=20, ignore_eos=True))
-            async for ref in handle.generate.remote(req.to_dict()):
+            async for ref in handle.generate.remote(req):
                 frames.append(await ref)
         finally:
             await topology.router.release.remote(wid, model)
@@ -106,11 +106,11 @@ def test_request_through_router_streams_the_single_worker_greedy_output(topology
 
     for i, model in enumerate(MODELS):
         wid, frames = asyncio.run(run(model, f"t{i}"))
-        assert wid in ray.get(topology.placement.plan.remote())["assignments"][model]
-        tokens = [t for f in frames for t in f["token_ids"]]
+        assert wid in ray.get(topology.placement.plan.remote()).assignments[model]
+        tokens = [t for f in frames for t in f.token_ids]
         assert tokens == reference_greedy(zoo_model(model), prompt, 20)
-        assert frames[-1]["finish_reason"] == "length" and all(f["worker_id"] == wid for f in frames)
-    assert ray.get(topology.router.status.remote())["pending"] == {}
+        assert frames[-1].finish_reason == "length" and all(f.worker_id == wid for f in frames)
+    assert ray.get(topology.router.status.remote()).pending == {}
 
 
 def test_unknown_model_is_refused_naming_the_servable_ones(topology, ray_session):
@@ -126,4 +126,4 @@ def test_connect_existing_sees_the_same_cluster(topology):
     other = connect_existing()
     assert set(other.workers) == set(topology.workers)
     other.shutdown()   # leaves the cluster running
-    assert len(topology.status()["workers"]) == len(topology.workers)
+    assert len(topology.status().workers) == len(topology.workers)

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from load_tests.workloads import (AEGAEON_TAIL_MODEL_SHARE, AEGAEON_TAIL_REQUEST_SHARE,
-                                  EmpiricalLengths, FixedLengths, Gamma, LogNormalLengths,
+                                  FixedLengths, Gamma, LogNormalLengths,
                                   LongTail, OnOff, Poisson, TraceRequest, Uniform, Workload,
                                   Zipf, generate, sample_models)
+from load_tests.traces import lengths_from_azure
 
 AZURE_CODE = Path("/work/shared/data/traces/azure-llm-2023/code.csv")
 needs_data = pytest.mark.skipif(not AZURE_CODE.exists(), reason="shared trace data not present")
@@ -95,13 +96,13 @@ def test_long_tail_other_targets_and_errors():
 
 @needs_data
 def test_lengths_from_azure_trace_scaled_and_clipped():
-    raw = EmpiricalLengths.from_azure(AZURE_CODE)
+    raw = lengths_from_azure(AZURE_CODE)
     assert len(raw.pairs) == 8819
     rng = np.random.default_rng(6)
     i, o = raw.sample(5000, rng)
     # resampled lengths keep the trace's distribution: medians close to the trace's own
     assert np.median(i) == pytest.approx(np.median(raw.pairs[:, 0]), rel=0.15)
-    short = EmpiricalLengths.from_azure(AZURE_CODE, input_scale=0.1, max_input=96, max_output=32)
+    short = lengths_from_azure(AZURE_CODE, input_scale=0.1, max_input=96, max_output=32)
     i2, o2 = short.sample(5000, np.random.default_rng(6))
     assert i2.max() <= 96 and o2.max() <= 32 and i2.min() >= 1 and o2.min() >= 1
     assert np.median(i2) < np.median(i)

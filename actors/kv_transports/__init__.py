@@ -1,2 +1,3 @@
-"""The KV handoff transports behind actors.kv_transfer.KVTransport: shared memory (same
-node, CPU), the Ray object store (across nodes) and CUDA IPC (same node, GPU)."""
+"""The ways KV blocks move between two workers' pools, behind one interface (base.py:
+KVDescriptor, KVTransport): shared memory (same node, CPU), the Ray object store (across
+nodes) and CUDA IPC (same node, GPU). actors/kv_transfer.py picks one per pair of workers."""

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, copy_into, destination
+from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, copy_into, destination
 
 logger = logging.getLogger(__name__)
 

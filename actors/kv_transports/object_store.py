@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_into, destination
+from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_into, destination, gather_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ObjectStoreTransport(KVTransport):
         if desc.request_id in self._exports:
             raise ValueError(f"request {desc.request_id!r} is already exported and not released")
         if from_pool:
-            kv = kv.index_select(0, torch.tensor(desc.block_ids, dtype=torch.long, device=kv.device))
+            kv = gather_blocks(kv, desc.block_ids)
         flat = kv.detach().to("cpu").contiguous().view(-1).view(torch.uint8)   # [nbytes]
         try:
             ref = ray.put(flat.numpy())

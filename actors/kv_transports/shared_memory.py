@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from actors.kv_transfer import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, destination
+from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, destination, gather_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +91,18 @@ class SharedMemoryTransport(KVTransport):
         check_blocks(kv, desc, from_pool)
         if desc.request_id in self._exports:
             raise ValueError(f"request {desc.request_id!r} is already exported and not released")
-        blocks = [kv[i] for i in desc.block_ids] if from_pool else list(kv)
-        region = self._region_holding(blocks, desc.block_bytes) if kv.device.type == "cpu" else None
+        # Block i of kv starts at kv.data_ptr() + i * stride(0) bytes (each block is contiguous).
+        step = kv.stride(0) * kv.element_size()
+        ptrs = [kv.data_ptr() + step * i for i in (desc.block_ids if from_pool else range(kv.shape[0]))]
+        region = self._region_holding(ptrs, desc.block_bytes) if kv.device.type == "cpu" else None
         if region is not None:
-            offsets = [b.data_ptr() - region.base() for b in blocks]
+            offsets = [p - region.base() for p in ptrs]
             self._exports[desc.request_id] = None
         else:
             region = self._take_staging(desc.nbytes)
             staged = region.tensor[:desc.nbytes].view(desc.torch_dtype).view(desc.num_blocks, *desc.block_shape)
             if from_pool:
-                index = torch.tensor(desc.block_ids, dtype=torch.long, device=kv.device)
-                torch.index_select(kv, 0, index, out=staged) if kv.device.type == "cpu" \
-                    else staged.copy_(kv.index_select(0, index))
+                gather_blocks(kv, desc.block_ids, out=staged)
             else:
                 staged.copy_(kv)
             offsets = [i * desc.block_bytes for i in range(desc.num_blocks)]
@@ -153,10 +153,11 @@ class SharedMemoryTransport(KVTransport):
         except Exception:   # interpreter shutdown: modules may already be gone
             pass
 
-    def _region_holding(self, blocks: list[torch.Tensor], block_bytes: int) -> _Mapped | None:
+    def _region_holding(self, ptrs: list[int], block_bytes: int) -> _Mapped | None:
+        """The shared region holding every block starting at `ptrs`, or None."""
+        first, last = min(ptrs), max(ptrs) + block_bytes
         for region in self._regions:
-            lo, hi = region.base(), region.base() + region.nbytes
-            if all(lo <= b.data_ptr() and b.data_ptr() + block_bytes <= hi for b in blocks):
+            if region.base() <= first and last <= region.base() + region.nbytes:
                 return region
         return None
 

@@ -22,10 +22,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from deploy.cli.app_handles import cluster_handle, cluster_status  # re-exported: callers import them from here
 from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
+from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
 if TYPE_CHECKING:
     from deploy.serve_app.app_args import AppArgs
+    from scheduler.messages import ClusterStatus
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +147,7 @@ def _show_registration(thread: threading.Thread, args: AppArgs, show_progress: b
     import ray
     from tqdm import tqdm
 
-    from cluster.router import ROUTER_NAME
+    from scheduler.messages import ROUTER_NAME
 
     with tqdm(total=len(args.models), desc="registering models", unit="model", file=sys.stderr,
               disable=not show_progress) as bar:
@@ -155,7 +158,7 @@ def _show_registration(thread: threading.Thread, args: AppArgs, show_progress: b
             try:
                 (namespace,) = _namespaces_of(ROUTER_NAME)
                 router = ray.get_actor(ROUTER_NAME, namespace=namespace)
-                servable = ray.get(router.status.remote(), timeout=5)["servable"]
+                servable = ray.get(router.status.remote(), timeout=5).servable
             except Exception:  # not up yet (or several tokenmux clusters: no bar then)
                 continue
             bar.n = len(set(servable) & set(args.models))
@@ -169,15 +172,6 @@ def _namespaces_of(name: str) -> list[str]:
     return [a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name]
 
 
-def cluster_handle(app_name: str = "tokenmux"):
-    """Serve handle of the app's TokenmuxCluster deployment (the topology's owner)."""
-    from ray import serve
-
-    from deploy.serve_app.app import CLUSTER_DEPLOYMENT
-
-    return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
-
-
 def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
     """Delete the app (its topology dies with its owner replica), then kill any tokenmux
     router/placement (and their workers) left in the app's namespace — or, when the app is
@@ -185,8 +179,7 @@ def undeploy(app_name: str = "tokenmux", everywhere: bool = False) -> list[str]:
     import ray
     from ray import serve
 
-    from cluster.placement_service import PLACEMENT_NAME
-    from cluster.router import ROUTER_NAME
+    from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME
 
     removed = []
     namespaces = None
@@ -250,7 +243,7 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"HTTP host (default: the config's, else {DEFAULT_HOST})")
     parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
     parser.add_argument("--devices", type=int, default=2, help="virtual devices of a local Ray on a CPU host")
-    parser.add_argument("--policy", choices=("token", "request", "dedicated"), help="scheduling policy")
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="scheduling policy")
     parser.add_argument("--detach", action="store_true", help="return once deployed (the app keeps running "
                         "in a cluster started with `ray start --head`)")
     parser.set_defaults(run=run_serve)
@@ -310,38 +303,31 @@ def _join(address: str | None) -> None:
     connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
 
 
-def cluster_status(app_name: str = "tokenmux") -> dict:
-    """The topology's status (workers, plan, router) from the app that owns it."""
-    from ray import serve
-
-    if app_name not in serve.status().applications:
-        raise ValueError(f"no Serve application {app_name!r} is running; start one with `tokenmux serve`")
-    return cluster_handle(app_name).status.remote().result(timeout_s=60)
-
-
-def format_status(status: dict) -> str:
+def format_status(status: "ClusterStatus") -> str:
     """A readable table: one row per worker, then the placement plan."""
-    lines = [f"{'WORKER':<18} {'ROLE':<7} {'KV FREE':>7}  {'RESIDENT':<28} {'REGISTERED':<36} QUEUED/RUNNING"]
-    for wid, w in sorted(status.get("workers", {}).items()):
-        if not w.get("alive", True):
-            lines.append(f"{wid:<18} DEAD    {w.get('error', '')}")
+    from scheduler.messages import WorkerDown
+
+    lines = [f"{'WORKER':<18} {'ROLE':<7} {'KV FREE':>7} {'STEP':>8}  {'RESIDENT':<28} {'REGISTERED':<36} "
+             f"QUEUED/RUNNING"]
+    for wid, w in sorted(status.workers.items()):
+        if isinstance(w, WorkerDown):
+            lines.append(f"{wid:<18} DEAD    {w.error}")
             continue
-        queued = ",".join(f"{m}:{n}" for m, n in sorted((w.get("queue_depth") or {}).items())) or "-"
-        running = ",".join(f"{m}:{n}" for m, n in sorted((w.get("running") or {}).items())) or "-"
-        kv = w.get("kv_free_frac")
-        lines.append(f"{wid:<18} {w.get('role') or '-':<7} {f'{kv:.0%}' if kv is not None else '-':>7}  "
-                     f"{','.join(w.get('resident') or []) or '-':<28} {','.join(w.get('registered') or []) or '-':<36} "
-                     f"{queued} / {running}")
-    plan = status.get("plan") or {}
-    router = status.get("router") or {}
+        e = w.engine
+        queued = ",".join(f"{m}:{n}" for m, n in sorted(e.queue_depth.items())) or "-"
+        running = ",".join(f"{m}:{n}" for m, n in sorted(e.running.items())) or "-"
+        step = f"{1e3 * e.decode_step_s:.1f}ms" if e.decode_step_s else "-"
+        lines.append(f"{wid:<18} {w.role:<7} {e.kv_free_frac:>7.0%} {step:>8}  {','.join(e.resident) or '-':<28} "
+                     f"{','.join(e.registered) or '-':<36} {queued} / {running}")
+    plan = status.plan
     lines.append("")
-    lines.append(f"placement plan v{plan.get('version', '-')}:")
-    for model, workers in sorted((plan.get("assignments") or {}).items()):
+    lines.append(f"placement plan v{plan.version if plan else '-'}:")
+    for model, workers in sorted((plan.assignments if plan else {}).items()):
         lines.append(f"  {model:<24} -> {', '.join(workers) or '-'}")
-    for model, why in sorted((plan.get("unplaceable") or {}).items()):
+    for model, why in sorted((plan.unplaceable if plan else {}).items()):
         lines.append(f"  {model:<24} unplaceable: {why}")
-    lines.append(f"servable: {', '.join(router.get('servable') or []) or '-'}")
-    lines.append(f"in flight: {router.get('pending') or '-'}")
+    lines.append(f"servable: {', '.join(status.router.servable) or '-'}")
+    lines.append(f"in flight: {dict(status.router.pending) or '-'}")
     return "\n".join(lines)
 
 
@@ -354,7 +340,7 @@ def run_status(ns: argparse.Namespace) -> int:
 
         return watch(ns.app, ns.interval)
     status = cluster_status(ns.app)
-    print(json.dumps(status, indent=2, default=str) if ns.json else format_status(status))
+    print(json.dumps(status.to_dict(), indent=2, default=str) if ns.json else format_status(status))
     return 0
 
 

@@ -79,11 +79,12 @@ def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str =
     from load_tests.driver import OpenAIHTTPTarget, run
     from load_tests.metrics import summarize
     from load_tests.report import write_report
-    from load_tests.workloads import EmpiricalLengths, FixedLengths, Gamma, Zipf, generate
+    from load_tests.traces import lengths_from_azure
+    from load_tests.workloads import FixedLengths, Gamma, Zipf, generate
     from scheduler.slo import SLO
 
     slo = SLO(ttft_s=2.0, tbt_s=0.25)
-    lengths = (EmpiricalLengths.from_azure(AZURE_CONV, max_input=48, max_output=32) if AZURE_CONV.exists()
+    lengths = (lengths_from_azure(AZURE_CONV, max_input=48, max_output=32) if AZURE_CONV.exists()
                else FixedLengths(32, 24))
     workload = generate(Gamma(rate=2.0, cv=3.0), Zipf(1.0), list(DEMO_FLEET), lengths, seed=7,
                         duration_s=duration_s, num_requests=max_requests)

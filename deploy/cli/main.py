@@ -151,6 +151,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
+    from load_tests.bench.cluster_bench import add_arguments as add_cluster_arguments   # stdlib at import
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
     sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate,sim}", required=True)
@@ -158,11 +159,9 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
     engine.set_defaults(run=_bench_engine)
-    cluster = sub.add_parser("cluster", help="router overhead and KV handoff vs memcpy (starts its own "
-                                             "2-raylet cluster; prints a table, --json FILE)")
-    cluster.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
-    cluster.add_argument("--iters", type=int, default=40, help="measured iterations per figure (default 40)")
-    cluster.add_argument("--threads", type=int, default=1, help="torch threads per actor (default 1)")
+    cluster = sub.add_parser("cluster", help="router overhead and KV handoff vs memcpy, 14 MiB and 256 MiB "
+                                             "(starts its own 2-raylet cluster; prints a table, --json FILE)")
+    add_cluster_arguments(cluster)
     cluster.set_defaults(run=_bench_cluster)
     colocate = sub.add_parser("colocate", help="N agents on one device: time-sliced engine processes vs one "
                                                "tokenmux engine (prints a table, --json FILE, --plot PNG)")

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.messages import ClusterStatus
 
 
 @dataclass
@@ -31,11 +35,11 @@ class WatchState:
         return out
 
 
-def gather(app: str) -> tuple[dict, dict[str, dict]]:
+def gather(app: str) -> tuple["ClusterStatus", dict[str, dict]]:
     """(status, worker id -> telemetry) of the running app; a worker that does not answer is left out."""
     import ray
 
-    from deploy.cli.commands import cluster_handle, cluster_status
+    from deploy.cli.app_handles import cluster_handle, cluster_status
 
     status = cluster_status(app)
     handles = cluster_handle(app).worker_handles.remote().result(timeout_s=30)
@@ -49,30 +53,31 @@ def gather(app: str) -> tuple[dict, dict[str, dict]]:
     return status, telemetry
 
 
-def render(status: dict, telemetry: dict[str, dict], rates: dict[str, dict[str, float]]):
+def render(status: "ClusterStatus", telemetry: dict[str, dict], rates: dict[str, dict[str, float]]):
     """A rich Table of the workers."""
     from rich.table import Table
 
     from actors.device_memory import format_bytes
+    from scheduler.messages import WorkerDown
 
-    table = Table(title=f"tokenmux  {time.strftime('%H:%M:%S')}  policy {status.get('policy', '-')}  "
-                        f"plan v{(status.get('plan') or {}).get('version', '-')}", expand=False)
+    table = Table(title=f"tokenmux  {time.strftime('%H:%M:%S')}  policy {status.policy or '-'}  "
+                        f"plan v{status.plan.version if status.plan else '-'}", expand=False)
     for column in ("WORKER", "ROLE", "RESIDENT", "QUEUED / RUNNING", "TOKENS/S", "ALPHA", "SWAPS/S", "KV USED",
                    "DEVICE MEMORY", "UTIL"):
         table.add_column(column, justify="right" if column in ("TOKENS/S", "ALPHA", "SWAPS/S", "KV USED", "UTIL")
                          else "left")
-    for wid, w in sorted(status.get("workers", {}).items()):
-        if not w.get("alive", True):
-            table.add_row(wid, "DEAD", w.get("error", ""), *[""] * 7)
+    for wid, w in sorted(status.workers.items()):
+        if isinstance(w, WorkerDown):
+            table.add_row(wid, "DEAD", w.error, *[""] * 7)
             continue
         t, r = telemetry.get(wid, {}), rates.get(wid, {})
-        queued = ",".join(f"{m}:{n}" for m, n in sorted((w.get("queue_depth") or {}).items())) or "-"
-        running = ",".join(f"{m}:{n}" for m, n in sorted((w.get("running") or {}).items())) or "-"
+        queued = ",".join(f"{m}:{n}" for m, n in sorted(w.engine.queue_depth.items())) or "-"
+        running = ",".join(f"{m}:{n}" for m, n in sorted(w.engine.running.items())) or "-"
         device = t.get("device") or {}
         memory = (f"{format_bytes(device['memory_used_bytes'])} / {format_bytes(device['memory_total_bytes'])}"
                   + (" (virtual)" if device.get("virtual") else "")) if device else "-"
         alpha = t.get("alpha")
-        table.add_row(wid, w.get("role") or "-", ",".join(w.get("resident") or []) or "-", f"{queued} / {running}",
+        table.add_row(wid, w.role, ",".join(w.engine.resident) or "-", f"{queued} / {running}",
                       f"{r.get('generation_tokens', 0.0):.1f}", f"{alpha:.2f}" if alpha is not None else "-",
                       f"{r.get('swaps', 0.0):.2f}", f"{t.get('kv_usage', 0.0):.0%}" if t else "-", memory,
                       f"{device['utilization']:.0%}" if device else "-")

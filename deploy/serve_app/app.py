@@ -19,12 +19,14 @@ tokenmux cluster.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
 
 from deploy.serve_app.app_args import AppArgs, parse_app_args, resolve_model_sources
+from scheduler.messages import ClusterStatus
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +90,9 @@ class TokenmuxCluster:
 
         return ray.get_runtime_context().namespace
 
-    async def status(self) -> dict:
+    async def status(self) -> ClusterStatus:
         status = await asyncio.to_thread(self._topology.status)
-        status["models"] = dict(self._models)
-        status["policy"] = self.args.policy
-        return status
+        return dataclasses.replace(status, models=dict(self._models), policy=self.args.policy)
 
     def __del__(self) -> None:
         topology, self._topology = getattr(self, "_topology", None), None
@@ -138,14 +138,14 @@ class TokenmuxIngress:
     def list_models(self) -> dict:
         return self.core.list_models()
 
-    async def cluster_status(self) -> dict:
+    async def cluster_status(self) -> ClusterStatus:
         return await self.cluster.status.remote()
 
 
 def build_app(args: "dict | AppArgs") -> serve.Application:
     """The Serve application for `args` (see deploy/app_args.py); nothing starts until deployed."""
     parsed = parse_app_args(args)
-    plain = parsed.model_dump(mode="json")
+    plain = parsed.model_dump(mode="json", exclude_unset=True)   # unset fields (scheduler's too) keep their defaults
     cluster = TokenmuxCluster.bind(plain)
     ingress = TokenmuxIngress.options(
         num_replicas=parsed.num_ingress_replicas,

@@ -6,7 +6,8 @@
       budget_gb: 40            # or budget_bytes; per device: weight slots + KV region
       kv_fraction: 0.3         # of the budget, for the unified KV pool
       num_slots: 3             # resident models per device (incl. the prefetch slot)
-      policy: token            # token | request | dedicated
+      policy: token            # token | request | dedicated (scheduler/policy_registry.py)
+      scheduler: {quota_max_s: 4.0, quota_switch_factor: 8.0}   # SchedulerConfig fields; omitted: its defaults
       devices_per_node: 2      # virtual devices per node on CPU hosts (omit on GPUs)
 
 A model is a local checkpoint directory, or `zoo:NAME` for a model of the offline zoo
@@ -17,6 +18,9 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from scheduler.policy import SchedulerConfig
+from scheduler.policy_registry import check_policy_name
 
 ZOO_PREFIX = "zoo:"
 GiB = 1 << 30
@@ -31,6 +35,24 @@ class SLOArgs(BaseModel):
     tbt_s: float = Field(0.5, gt=0, description="time between tokens, seconds")
 
 
+class SchedulerArgs(BaseModel):
+    """The fields of scheduler.policy.SchedulerConfig a deployment may set; what it leaves
+    out keeps SchedulerConfig's default (one place holds the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_prefill_group: int | None = Field(None, ge=1, description="requests of one model prefilled as a group")
+    max_prefill_tokens: int | None = Field(None, ge=1, description="token budget of one prefill step")
+    max_batch_size: int | None = Field(None, ge=1, description="requests in one decode step")
+    quota_max_s: float | None = Field(None, gt=0, description="Q_max of the decode quota rule, seconds")
+    min_quota_steps: int | None = Field(None, ge=1, description="decode steps per turn when switches are free")
+    quota_switch_factor: float | None = Field(None, gt=0, description="cap quotas at this x the round's switch "
+                                                                      "cost (null: Q_max only)")
+
+    def config(self) -> SchedulerConfig:
+        return SchedulerConfig(**self.model_dump(exclude_unset=True))
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +63,8 @@ class AppArgs(BaseModel):
     kv_fraction: float = Field(0.25, gt=0, lt=1, description="share of the budget for the KV pool")
     host_kv_gb: float = Field(0.25, ge=0, description="host swap space for preempted KV (0: recompute)")
     num_slots: int = Field(3, ge=1, le=64)
-    policy: Literal["token", "request", "dedicated"] = "token"
+    policy: str = Field("token", description="scheduling policy, a name in scheduler/policy_registry.py")
+    scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     devices_per_node: int | None = Field(None, ge=1, description="virtual devices per node (CPU hosts)")
     threads_per_worker: int | None = Field(None, ge=1, description="torch threads per worker (CPU hosts)")
@@ -69,6 +92,17 @@ class AppArgs(BaseModel):
                     raise ValueError(f"model {name!r}: unknown zoo model {zoo_name!r}; known: {', '.join(zoo.ZOO)}")
         return models
 
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, policy: str) -> str:
+        return check_policy_name(policy)
+
+    @field_validator("scheduler")
+    @classmethod
+    def _check_scheduler(cls, scheduler: SchedulerArgs) -> SchedulerArgs:
+        scheduler.config()   # SchedulerConfig's own checks, with its messages
+        return scheduler
+
     @model_validator(mode="after")
     def _check_budget(self) -> "AppArgs":
         if self.budget_bytes is not None and self.budget_gb is not None:
@@ -92,7 +126,8 @@ class AppArgs(BaseModel):
         slab = 4 * MiB if budget >= 1 * GiB else 1 * MiB
         kv = max(slab, int(budget * self.kv_fraction) // slab * slab)
         config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": self.num_slots, "slab_bytes": slab,
-                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy}
+                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy,
+                  "scheduler": self.scheduler.model_dump(exclude_unset=True)}
         if self.dtype is not None:
             config["dtype"] = self.dtype
         return config

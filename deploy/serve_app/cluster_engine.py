@@ -1,30 +1,32 @@
 """ClusterEngineClient: the real `EngineClient` of the ingress (router + DeviceWorkers).
 
 One request: `router.pick(model, slo)` -> `(worker_id, handle)`, then stream
-`handle.generate(req)` (a Ray streaming generator of OutputFrame dicts; several tokens
-per frame), then `router.release` when it ends, however it ends. The router sits on one
+`handle.generate(req)` (a Ray streaming generator of OutputFrames, several tokens per
+frame, read through actors/frame_stream.py's `stream_frames`), then `router.release` when
+it ends, however it ends. The router sits on one
 call per request; the tokens flow worker -> ingress directly.
 
 Failures: a worker that dies before the request produced a token is reported to the
 router (`report_failure`, which drops it from routing) and the request goes to another
 worker; after tokens were produced, re-running it would repeat or change text the client
 already has, so it ends with an error frame instead — nothing is silently lost.
-`abort(request_id)` cancels the worker's generator (`ray.cancel`); the worker aborts the
-request and frees its KV blocks when its consumer goes away.
+`abort(request_id)` cancels the request's frame stream, as leaving the stream early does;
+the worker aborts the request and frees its KV blocks when its consumer goes away.
 
 Never `ray.get` here: everything is awaited on the ingress's event loop.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from actors.frame_stream import FrameStream, stream_frames
 from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class ClusterEngineClient:
         self.max_dispatches = max_dispatches
         self._models = {m.name: m for m in infos}
         self._tokenizers = TokenizerCache()
-        self._streams: dict[str, Any] = {}  # request_id -> the worker's streaming generator
+        self._streams: dict[str, FrameStream] = {}  # request_id -> the worker's frame stream
         self.num_redispatched = 0
 
     def models(self) -> list[ModelInfo]:
@@ -67,11 +69,11 @@ class ClusterEngineClient:
         return self._tokenizers.get(model, info.path)
 
     async def abort(self, request_id: str) -> None:
-        gen = self._streams.pop(request_id, None)
-        if gen is not None:
-            ray.cancel(gen)  # non-blocking: the worker's generator gets CancelledError and aborts
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.cancel()  # non-blocking: the worker's generator gets CancelledError and aborts
 
-    async def _pick(self, model: str, slo: dict) -> tuple[str, Any]:
+    async def _pick(self, model: str, slo: SLO) -> tuple[str, Any]:
         try:
             return await self.router.pick.remote(model, slo)
         except _WORKER_GONE:
@@ -82,35 +84,29 @@ class ClusterEngineClient:
             return await self.router.pick.remote(model, slo)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
-        slo = asdict(req.slo)
-        payload = req.to_dict()
         tried: list[str] = []
         for _ in range(self.max_dispatches):
             try:
-                worker_id, handle = await self._pick(req.model, slo)
+                worker_id, handle = await self._pick(req.model, req.slo)
             except Exception as exc:  # NoWorkerError (a RayTaskError), or the router is gone
                 yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}")
                 return
             tried.append(worker_id)
             produced = False
-            finished = False
-            gen = handle.generate.remote(payload)
-            self._streams[req.request_id] = gen
+            stream = stream_frames(handle.generate.remote(req))
+            self._streams[req.request_id] = stream
             try:
-                async for ref in gen:
-                    frame = OutputFrame.from_dict(await ref)
-                    produced = produced or bool(frame.token_ids or frame.text)
-                    finished = frame.finished
-                    yield frame
-                    if finished:
-                        return
+                async with stream:   # left early (closed or cancelled): the stream stops the worker's work
+                    async for frame in stream:
+                        produced = produced or bool(frame.token_ids or frame.text)
+                        yield frame
+                        if frame.finished:
+                            return
                 yield _error(req, f"worker {worker_id} ended the stream without a finish reason")
-                finished = True
                 return
             except _WORKER_GONE as exc:
                 if produced:
                     logger.warning("worker %s died mid-stream of %s: %s", worker_id, req.request_id, exc)
-                    finished = True
                     yield _error(req, f"worker {worker_id} died after the request produced tokens; "
                                       f"partial output was kept: {_cause(exc)}", worker_id)
                     return
@@ -119,17 +115,13 @@ class ClusterEngineClient:
                 await self.router.report_failure.remote(worker_id)
                 self.num_redispatched += 1
             except ray.exceptions.TaskCancelledError:
-                finished = True  # aborted by us; the consumer is gone
-                return
+                return  # aborted by us; the consumer is gone
             except ray.exceptions.RayTaskError as exc:
-                finished = True
                 yield _error(req, f"worker {worker_id} failed: {_cause(exc)}", worker_id)
                 return
             finally:
-                if self._streams.get(req.request_id) is gen:
+                if self._streams.get(req.request_id) is stream:
                     del self._streams[req.request_id]
-                    if not finished:  # left early (closed or cancelled): stop the worker's work
-                        ray.cancel(gen)
                 self.router.release.remote(worker_id, req.model)  # fire and forget: never block a finally
         yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}")
 

@@ -9,6 +9,7 @@ steps per second and the attainment (the runs are deterministic: the same every 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -32,17 +33,18 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from deploy.cli.main import build_parser
     from load_tests.cost_model import num_fits
     from load_tests.metrics import summarize
-    from load_tests.plan_cli import build_spec
+    from load_tests.plan_cli import add_arguments as add_plan_arguments, build_spec
     from load_tests.simulator import simulate
 
     if args.repeats < 1 or args.gpus < 1:
         raise ValueError("--repeats and --gpus must be >= 1")
     started = time.perf_counter()
     fits_before = num_fits()
-    plan_args = build_parser().parse_args(["plan", "--trace", args.trace, "--gpu", args.gpu])
+    plan_parser = argparse.ArgumentParser(prog="tokenmux plan")
+    add_plan_arguments(plan_parser)
+    plan_args = plan_parser.parse_args(["--trace", args.trace, "--gpu", args.gpu])
     spec, about = build_spec(plan_args)
     setup_s = time.perf_counter() - started
     out = {"trace": Path(args.trace).name, "gpus": args.gpus, "device": spec.layout.device.name,

@@ -1,0 +1,29 @@
+"""Handles on a running tokenmux Serve app: its cluster deployment and the cluster's status.
+
+Their own module so `tokenmux status` (commands.py) and `status --watch` (status_watch.py)
+both reach the app without importing each other.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.messages import ClusterStatus
+
+
+def cluster_handle(app_name: str = "tokenmux"):
+    """Serve handle of the app's TokenmuxCluster deployment (the topology's owner)."""
+    from ray import serve
+
+    from deploy.serve_app.app import CLUSTER_DEPLOYMENT
+
+    return serve.get_deployment_handle(CLUSTER_DEPLOYMENT, app_name=app_name)
+
+
+def cluster_status(app_name: str = "tokenmux") -> "ClusterStatus":
+    """The topology's status (workers, plan, router) from the app that owns it."""
+    from ray import serve
+
+    if app_name not in serve.status().applications:
+        raise ValueError(f"no Serve application {app_name!r} is running; start one with `tokenmux serve`")
+    return cluster_handle(app_name).status.remote().result(timeout_s=60)

@@ -1,0 +1,123 @@
+"""The project's modules import each other without cycles, and the folders point one way.
+
+Every `import` counts, also those inside functions (a lazy import still ties two modules
+together: each needs the other to work) and under TYPE_CHECKING. A cycle makes a module
+impossible to read, test or move on its own, so this graph must stay a DAG.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("scheduler", "actors", "cluster", "deploy", "load_tests")
+# Which folder may import which (docs/layout.md): deploy -> cluster -> actors -> scheduler;
+# load_tests uses everything. The Serve app reaches the offline zoo to serve `zoo:NAME`
+# models, and the operator CLI fronts the harness (`tokenmux bench|loadtest|demo|zoo`).
+ALLOWED = {
+    "scheduler": {"scheduler"},
+    "actors": {"actors", "scheduler"},
+    "cluster": {"cluster", "actors", "scheduler"},
+    "deploy": {"deploy", "cluster", "actors", "scheduler", "load_tests.zoo"},
+    "deploy.cli": {"deploy", "cluster", "actors", "scheduler", "load_tests"},
+    "load_tests": set(PACKAGES),
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports (the most specific module each import names)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` imports the submodule; `from mod import name`, the module.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, name, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles_among_project_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_folders_import_only_in_the_allowed_direction():
+    wrong = []
+    for name, targets in _graph().items():
+        allowed = ALLOWED[max((p for p in ALLOWED if name == p or name.startswith(p + ".")), key=len)]
+        for target in targets:
+            if not any(target == a or target.startswith(a + ".") for a in allowed):
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []

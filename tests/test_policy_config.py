@@ -1,0 +1,77 @@
+"""Policy names come from one registry, and SchedulerConfig reaches the scheduler from every
+config a user writes: EngineConfig, the Serve app's args and its serve config files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scheduler.policy import SchedulerConfig
+from scheduler.policy_registry import POLICIES, POLICY_NAMES
+
+MiB = 1 << 20
+SMALL = {"budget_bytes": 8 * MiB, "kv_bytes": 2 * MiB, "num_slots": 1, "slab_bytes": 1 * MiB, "host_kv_bytes": 0}
+CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "serve_app"
+
+
+def test_every_name_list_is_the_registry():
+    from deploy.cli.main import build_parser
+    from load_tests.contenders import ENGINE_POLICIES
+
+    assert ENGINE_POLICIES == POLICY_NAMES == tuple(POLICIES)
+    for name in POLICY_NAMES:   # `tokenmux serve --policy` takes exactly the registered names
+        assert build_parser().parse_args(["serve", "--models", "m", "--policy", name]).policy == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--models", "m", "--policy", "fifo"])
+
+
+@pytest.mark.parametrize("make", ["engine", "app", "sim"])
+def test_an_unknown_policy_is_refused_naming_the_known_ones(make):
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'; choose one of token, request, dedicated"):
+        if make == "engine":
+            from actors.engine import EngineConfig
+
+            EngineConfig(policy="fifo")
+        elif make == "app":
+            from deploy.serve_app.app_args import parse_app_args
+
+            parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "fifo"})
+        else:
+            from load_tests.simulator import SimConfig
+            from scheduler.kv_blocks import KVShape
+
+            SimConfig(1, "/nowhere", 1, KVShape(1, 1, 1, 2), policy="fifo")
+
+
+def test_scheduler_config_set_in_app_args_reaches_the_engines_policy():
+    from actors.engine import Engine, EngineConfig
+    from deploy.serve_app.app_args import parse_app_args
+
+    args = parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "token",
+                           "scheduler": {"quota_max_s": 2.5, "quota_switch_factor": None}})
+    kwargs = {**args.engine_config(), **SMALL}
+    # what a DeviceWorker receives: plain kwargs, the scheduler's as a mapping
+    engine = Engine(EngineConfig(**kwargs))
+    assert engine.policy.config == SchedulerConfig(quota_max_s=2.5, quota_switch_factor=None)
+    # what is not set keeps SchedulerConfig's one default
+    plain = Engine(EngineConfig(**{**parse_app_args({"models": {"a": "zoo:llama-tiny-a"}}).engine_config(), **SMALL}))
+    assert plain.policy.config == SchedulerConfig()
+
+
+def test_bad_scheduler_args_name_the_field():
+    from deploy.serve_app.app_args import parse_app_args
+
+    with pytest.raises(ValueError, match="scheduler.quota_max_s"):
+        parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "scheduler": {"quota_max_s": 0}})
+    with pytest.raises(ValueError, match="scheduler.quota_max"):
+        parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "scheduler": {"quota_max": 1.0}})
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config_gpu.yaml"])
+def test_the_serve_configs_set_the_quota_rule(name):
+    from deploy.serve_app.app_args import parse_app_args
+
+    args = parse_app_args(yaml.safe_load((CONFIGS / name).read_text())["applications"][0]["args"])
+    config = args.scheduler.config()
+    assert (config.quota_max_s, config.quota_switch_factor) == (4.0, 8.0)
