@@ -90,6 +90,7 @@ class LoadedModel:
     runner: ModelRunner
     tokenizer: object
     dtype: torch.dtype
+    kv: torch.Tensor   # the KV pool viewed as this model's blocks (the pool never moves)
 
 
 class Engine:
@@ -144,7 +145,8 @@ class Engine:
 
         tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
         runner = ModelRunner(spec, self.device, self.config.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
-        self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype)
+        self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype,
+                                        self.kv_pool.view(kv_shape, dtype))
         self.estimator.register_model(name, layout.total_bytes)
         self.policy.add_model(name, kv_shape, layout.total_bytes)
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
@@ -266,10 +268,8 @@ class Engine:
 
     def _run(self, output: SchedulerOutput) -> dict[str, int]:
         m = self.models[output.model]
-        chunks = [SeqChunk(r.all_token_ids[r.num_computed_tokens:], r.num_computed_tokens, r.block_ids)
-                  for r in output.requests]
-        kv = self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype)
-        logits = m.runner.forward(self.slots.params(output.model), chunks, kv)   # [B, vocab]
+        chunks = [SeqChunk(_new_tokens(r), r.num_computed_tokens, r.block_ids) for r in output.requests]
+        logits = m.runner.forward(self.slots.params(output.model), chunks, m.kv)   # [B, vocab]
         outs = [self.outputs[r.request_id] for r in output.requests]
         tokens = self.sampler.sample(logits, [r.sampling_params for r in output.requests],
                                      [o.generator for o in outs])
@@ -435,6 +435,15 @@ class Engine:
 def _ema(previous: float, sample: float) -> float:
     """Exponential moving average of step times; the first sample is taken as it is."""
     return sample if previous == 0.0 else previous + STEP_EMA_WEIGHT * (sample - previous)
+
+
+def _new_tokens(r: Request) -> list[int]:
+    """The tokens of `r` not in the cache yet (a decode step: the last one), without
+    concatenating the whole prompt and output every step."""
+    done, prompt = r.num_computed_tokens, r.prompt_token_ids
+    if done >= len(prompt):
+        return r.output_token_ids[done - len(prompt):]
+    return prompt[done:] + r.output_token_ids
 
 
 def _kv_shape(spec: ModelSpec, dtype: torch.dtype):

@@ -27,6 +27,7 @@ from actors import packed_linear, paged_attention_cpu
 from actors.layers import apply_rope, paged_attention, rms_norm
 from actors.model_spec import ModelSpec
 from actors.weight_layout import PlannedTensor
+from scheduler.kv_blocks import BLOCK_SIZE
 
 PACK_MIN_ELEMENTS = 1 << 19   # measured on AVX-512: below ~0.5M weights oneDNN's call overhead wins
 
@@ -131,6 +132,22 @@ class LayerKernels(ABC):
     def mlp(self, p: dict, n: LayerNames, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU # [T, hidden] -> [T, hidden]."""
 
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next norm # x, delta [T, hidden] -> x + delta, norm(x + delta)."""
+        x = x + delta
+        return x, self.norm(x, weight)
+
+    def qkv_cached(self, p: dict, n: LayerNames, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_tokens: torch.Tensor, kv_flat: torch.Tensor, step, layer: int):
+        """`qkv`, with each new token's k and v written into its pool row -> q [T, H, D], v."""
+        q, k, v = self.qkv(p, n, h, cos, sin)
+        T = h.shape[0]
+        # Pool layout per block: [L, 2, 16, Hkv, D]; a layer's K rows start at 2*16*layer.
+        k_rows = step.slot_rows + 2 * BLOCK_SIZE * layer
+        kv_tokens.index_put_((step.slot_slabs, k_rows), k.reshape(T, -1))
+        kv_tokens.index_put_((step.slot_slabs, k_rows + BLOCK_SIZE), v)
+        return q
+
     def attention(self, q: torch.Tensor, kv_windows: torch.Tensor, kv_flat: torch.Tensor, step,
                   block_offsets: torch.Tensor) -> torch.Tensor:
         """# q [T, H, D] over this layer's cached K/V -> [T, H * D] (see layers.paged_attention)."""
@@ -166,8 +183,10 @@ class ReferenceKernels(LayerKernels):
 class FastKernels(LayerKernels):
     def __init__(self, spec: ModelSpec, device: torch.device):
         super().__init__(spec)
-        # decode steps on CPU: the C++ kernel over the pool (built on first use) when it builds
-        self.decode_kernel = device.type == "cpu" and paged_attention_cpu.available()
+        # on CPU: the C++ kernels (built on first use) when they build -- decode attention over
+        # the pool and the fused elementwise ops (actors/fused_ops_cpu.cpp)
+        self.decode_kernel = self.fused = device.type == "cpu" and paged_attention_cpu.available()
+        self.eps = spec.rms_norm_eps
 
     def attention(self, q, kv_windows, kv_flat, step, block_offsets):
         B, Tq = step.batch_shape
@@ -178,7 +197,14 @@ class FastKernels(LayerKernels):
                                                     self.spec.sliding_window)
 
     def norm(self, x, weight):
-        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+        if self.fused:
+            return torch.ops.tokenmux.rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def add_norm(self, x, delta, weight):
+        if self.fused:   # x += delta in place: x is this forward's own residual stream
+            return x, torch.ops.tokenmux.add_rms_norm_(x, delta, weight, self.eps)
+        return super().add_norm(x, delta, weight)
 
     def qkv(self, p, n, h, cos, sin):
         T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
@@ -186,9 +212,18 @@ class FastKernels(LayerKernels):
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one pass
         return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:]
 
+    def qkv_cached(self, p, n, h, cos, sin, kv_tokens, kv_flat, step, layer):
+        if not self.fused:
+            return super().qkv_cached(p, n, h, cos, sin, kv_tokens, kv_flat, step, layer)
+        T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        qkv = linear(h, p[n.qkv], _get(p, n.qkv_bias))          # [T, (H + 2 Hkv) * D]
+        # RoPE on q and k in place, k and v copied to their pool rows: one pass
+        torch.ops.tokenmux.rope_write_kv_(qkv, cos, sin, kv_flat, step.k_rows, 2 * layer * BLOCK_SIZE * Hkv * D, H, Hkv)
+        return qkv[:, :H * D].view(T, H, D)
+
     def mlp(self, p, n, h):
         gate, up = linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)   # [T, I] each
-        return linear(F.silu(gate) * up, p[n.down], _get(p, n.down_bias))
+        return linear(F.silu(gate).mul_(up), p[n.down], _get(p, n.down_bias))
 
 
 def make_kernels(kind: str, spec: ModelSpec, device: torch.device) -> LayerKernels:

@@ -47,6 +47,7 @@ class _Step:
     positions: torch.Tensor     # [T]
     slot_slabs: torch.Tensor    # [T] slab of each new token's block
     slot_rows: torch.Tensor     # [T] row of each new token's K inside its slab (per-token view), layer 0
+    k_rows: torch.Tensor        # [T] element offset in the pool of each new token's K row, layer 0
     block_offsets: torch.Tensor  # [2 * B * NB] element offset in the pool of every sequence's K then V
                                  # blocks, layer 0 (a layer's blocks start 2 * layer block rows later)
     mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
@@ -86,19 +87,19 @@ class ModelRunner:
         kv_tokens, kv_windows, kv_flat = self._pool_views(kv)
         x = F.embedding(step.input_ids, params[EMBED])  # [T, hidden]
         cos, sin = self.rope.cos_sin(step.positions, x.dtype)
-        T, Hkv, D = x.shape[0], spec.num_kv_heads, spec.head_dim
-        block_row = BLOCK_SIZE * Hkv * D   # elements of one layer's K (or V) of one block
-        for layer, names in enumerate(kernels.names):
-            h = kernels.norm(x, params[names.input_norm])
-            q, k, v = kernels.qkv(params, names, h, cos, sin)   # [T, H, D], [T, Hkv, D], [T, Hkv * D]
-            # Pool layout per block: [L, 2, 16, Hkv, D]; a layer's K rows start at 2*16*layer.
-            k_rows = step.slot_rows + 2 * BLOCK_SIZE * layer
-            kv_tokens.index_put_((step.slot_slabs, k_rows), k.reshape(T, Hkv * D))
-            kv_tokens.index_put_((step.slot_slabs, k_rows + BLOCK_SIZE), v)
+        block_row = BLOCK_SIZE * spec.num_kv_heads * spec.head_dim   # elements of one layer's K (or V) of one block
+        layers = kernels.names
+        h = kernels.norm(x, params[layers[0].input_norm])
+        for layer, names in enumerate(layers):
+            # q [T, H, D]; this layer's k and v of the new tokens are in the pool after this
+            q = kernels.qkv_cached(params, names, h, cos, sin, kv_tokens, kv_flat, step, layer)
             attn = kernels.attention(q, kv_windows, kv_flat, step, step.block_offsets + 2 * layer * block_row)
-            x = x + kernels.o(params, names, attn)
-            h = kernels.norm(x, params[names.post_norm])
-            x = x + kernels.mlp(params, names, h)
+            x, h = kernels.add_norm(x, kernels.o(params, names, attn), params[names.post_norm])
+            delta = kernels.mlp(params, names, h)
+            if layer + 1 < len(layers):
+                x, h = kernels.add_norm(x, delta, params[layers[layer + 1].input_norm])
+            else:
+                x = x + delta
         x = kernels.norm(x[step.last_index], params[FINAL_NORM])
         return kernels.lm_head(params, x)
 
@@ -182,13 +183,15 @@ class ModelRunner:
         S = NB * BLOCK_SIZE
         unwritten = [] if bucket else [b * S + p for b, ctx in enumerate(ctx_lens) for p in range(ctx, S)]
         starts = [ctx - Tq for ctx in ctx_lens] if bucket else [c.start_pos for c in chunks]
+        row = self.spec.num_kv_heads * self.spec.head_dim
+        k_rows = [s * slab_stride + r * row for s, r in zip(slot_slabs, slot_rows)]
         ints = torch.tensor(
-            input_ids + positions + slot_slabs + slot_rows + block_offsets + last_index + seq_of + offset_of
+            input_ids + positions + slot_slabs + slot_rows + k_rows + block_offsets + last_index + seq_of + offset_of
             + starts + ctx_lens + unwritten,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
-        (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, block_offsets_t, last_t, seq_t, offset_t,
-         start_t, ctx_t, unwritten_t) = ints.split([T, T, T, T, B * NB, B, T, T, B, B, len(unwritten)])
+        (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, k_rows_t, block_offsets_t, last_t, seq_t, offset_t,
+         start_t, ctx_t, unwritten_t) = ints.split([T, T, T, T, T, B * NB, B, T, T, B, B, len(unwritten)])
         if bucket:
             unwritten_t = torch.arange(S, device=self.device) < ctx_t[:, None]   # [B, S] True where written
         uniform = T == B * Tq
@@ -197,6 +200,7 @@ class ModelRunner:
             positions=positions_t,
             slot_slabs=slot_slabs_t,
             slot_rows=slot_rows_t,
+            k_rows=k_rows_t,
             block_offsets=torch.cat([block_offsets_t, block_offsets_t + block_row]),   # K blocks, then V blocks
             mask=self._mask(start_t, Tq, S, params_dtype),
             unwritten=unwritten_t,

@@ -1,4 +1,5 @@
-"""The fast path's CPU decode attention: a small C++ kernel over the paged pool, built once.
+"""The fast path's CPU kernels: decode attention over the paged pool and the fused
+elementwise ops of a layer (actors/fused_ops_cpu.cpp), one small C++ extension built once.
 
 Without it a decode step gathers every sequence's K/V blocks into a copy (one
 `index_select` per layer) and runs SDPA over the copy: on one core that is ~0.5 ms a
@@ -20,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+SOURCES = [Path(__file__).with_name("paged_attention_cpu.cpp"), Path(__file__).with_name("fused_ops_cpu.cpp")]
 # -march=native: the build is per machine (the cache directory is too); the reassociation
 # flags let the compiler vectorise the dot products and sums (float32 accumulation).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -29,13 +30,13 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fas
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Build (or load the cached build of) the kernel; False where that is impossible."""
+    """Build (or load the cached build of) the kernels; False where that is impossible."""
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="tokenmux_paged_attention_cpu", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        load(name="tokenmux_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
              is_python_module=False, verbose=False)
-        return hasattr(torch.ops.tokenmux, "paged_decode_attention")
+        return hasattr(torch.ops.tokenmux, "paged_decode_attention") and hasattr(torch.ops.tokenmux, "add_rms_norm_")
     except Exception as exc:   # no compiler / ninja / headers: the torch path stays correct
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch attention", exc)
         return False

@@ -202,12 +202,12 @@ class StepLatencyEstimator:
 
     def observe_prefill(self, model: str, num_tokens: int, num_requests: int, seconds: float,
                         _forget: float | None = None) -> None:
-        fit = self._prefill.setdefault(model, OnlineLinearFit(3, self.forget))
+        fit = self._prefill.get(model) or self._prefill.setdefault(model, OnlineLinearFit(3, self.forget))   # no new fit a step
         fit.observe(_scaled(_PREFILL_SCALE, num_tokens, num_requests), seconds, _relative(seconds), _forget)
 
     def observe_decode(self, model: str, batch_size: int, num_context_tokens: int, seconds: float,
                        _forget: float | None = None) -> None:
-        fit = self._decode.setdefault(model, OnlineLinearFit(3, self.forget))
+        fit = self._decode.get(model) or self._decode.setdefault(model, OnlineLinearFit(3, self.forget))   # no new fit a step
         fit.observe(_scaled(_DECODE_SCALE, batch_size, num_context_tokens), seconds, _relative(seconds), _forget)
 
     def observe_switch(self, model: str, seconds: float) -> None:

@@ -94,13 +94,10 @@ class TokenLevelPolicy(SchedulingPolicy):
         if turn is None:
             return None
         model = turn.model
-        others_busy = any(
-            m != model and (self.waiting[m] or self.running[m]) for m in self.models
-        )
         if model not in self.models or not self._has_decode_work(model):
             over = True
-        elif math.isinf(turn.deadline):
-            over = others_busy
+        elif math.isinf(turn.deadline):   # a batch alone runs until other work arrives
+            over = any(m != model and (self.waiting[m] or self.running[m]) for m in self.models)
         else:
             over = now + self._predict_decode(model) > turn.deadline + _EPS
         if over:
