@@ -3,8 +3,11 @@
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (streaming as SSE `data: {...}` chunks ending in
 `data: [DONE]`, or one JSON response). Every error is in the OpenAI shape
-(`deploy/errors.py`). `OpenAIIngress` holds the logic without HTTP so the Serve
-deployment can expose the same stream to in-cluster callers (`generate_frames`).
+(`deploy/openai_api/errors.py`); a body above `max_body_bytes` is refused (413) before it
+is read in full; with API keys set, every route but /health needs one (`auth.py`). The
+OpenAPI spec (/openapi.json) carries the request schemas and error responses
+(`openapi.py`). `OpenAIIngress` holds the logic without HTTP so the Serve deployment can
+expose the same stream to in-cluster callers (`generate_frames`).
 """
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.openai_api.auth import APIKeyMiddleware
 from deploy.openai_api.engine_protocol import EngineClient
-from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, server_error
+from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, request_too_large, server_error
 from deploy.openai_api.config import IngressConfig
-from deploy.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deploy.openai_api.openapi import add_request_schemas, error_responses, generate_route
+from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                        CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
 from deploy.openai_api.request_builder import build_generate_request
 from scheduler.messages import GenerateRequest
@@ -86,8 +92,26 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed `max_bytes` (from
+    Content-Length before reading anything, else while the chunks arrive)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise invalid(f"Content-Length must be a number of bytes, got {length!r}")
+        if int(length) > max_bytes:
+            raise request_too_large(int(length), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise request_too_large(size, max_bytes, at_least=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
-    parsed, gen_req = await ingress.prepare(endpoint, await request.body())
+    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
@@ -116,14 +140,17 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
     return JSONResponse(result, headers={"X-Request-Id": gen_req.request_id})
 
 
-def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+def _error_response(e: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
 def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None) -> FastAPI:
     ingress = OpenAIIngress(engine, config)
     app = FastAPI(title="tokenmux", summary="OpenAI-compatible API over a token-level multiplexed GPU pool")
     app.state.ingress = ingress
+    if ingress.config.api_keys:
+        app.add_middleware(APIKeyMiddleware, digests=ingress.config.api_keys)
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -135,7 +162,7 @@ def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(e.status_code, str(e.detail)))
+        return _error_response(OpenAIError(e.status_code, str(e.detail)), headers=e.headers)   # 405: Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -146,15 +173,16 @@ def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None)
     async def health() -> dict:
         return {"status": "ok", "num_models": len(engine.models())}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict:
         return ingress.list_models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **generate_route(CompletionRequest, CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await _respond(ingress, "completions", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              **generate_route(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await _respond(ingress, "chat.completions", request)
 
