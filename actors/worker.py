@@ -208,9 +208,11 @@ class DeviceWorker:
                 self.engine_loop.call(self.engine.abort, request_id)
 
     async def close(self) -> None:
-        """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
+        """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)
+        and the host weight-cache files this worker filled."""
         self.engine_loop.stop()
         self.handoff.close()
+        self.engine.slots.host.remove_created()
 
     async def node(self) -> str:
         return self.node_id
