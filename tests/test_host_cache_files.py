@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import stat
-import uuid
 from pathlib import Path
 
 import pytest
@@ -16,20 +15,12 @@ from actors.host_cache import HostWeightCache
 from actors.private_files import UntrustedFile
 from actors.weight_layout import WeightLayout
 
-SHM = Path("/dev/shm")
+from test_weights import SHM, prefix  # noqa: F401  (prefix: a fresh file prefix, its files removed after)
 
 
 @pytest.fixture(scope="module")
 def path(zoo_model):
     return zoo_model("llama-tiny-a")
-
-
-@pytest.fixture
-def prefix():
-    p = f"tokenmux-test-{uuid.uuid4().hex[:12]}"
-    yield p
-    for f in SHM.glob(p + "-*"):
-        f.unlink(missing_ok=True)
 
 
 def _cache(prefix: str, path: Path, **kw) -> HostWeightCache:
