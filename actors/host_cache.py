@@ -58,7 +58,8 @@ class _Mapped:
 class HostWeightCache:
     def __init__(self, shm_dir: str | Path = DEFAULT_SHM_DIR, prefix: str = DEFAULT_PREFIX,
                  pin: bool | None = None, keep_files: bool | None = None):
-        """keep_files: leave the files this process fills on the node at shutdown (default: $TOKENMUX_KEEP_HOST_CACHE)."""
+        """keep_files: leave the files this process fills on the node at shutdown
+        (default: $TOKENMUX_KEEP_HOST_CACHE)."""
         self.shm_dir = Path(shm_dir)
         if not self.shm_dir.is_dir():
             raise ValueError(f"shared-memory directory {self.shm_dir} does not exist")

@@ -6,9 +6,10 @@ probability reaches top_p), and one token is drawn by inverse CDF from a single 
 number. That number comes from the request's own torch.Generator when it has a seed, so a
 seeded request draws the same tokens whatever other requests share its batch.
 
-A row whose logits are not finite (NaN, +inf: a numeric blow-up of that one sequence),
-or are not once divided by its temperature, gets INVALID_TOKEN instead of a token, so the engine fails that request alone; every
-other row is sampled as usual (and every seeded generator still draws once).
+A row whose logits are not finite (NaN, +inf: a numeric blow-up of that one sequence), or
+are not once divided by its temperature, gets INVALID_TOKEN instead of a token, so the
+engine fails that request alone; every other row is sampled as usual (and every seeded
+generator still draws once).
 """
 from __future__ import annotations
 

@@ -161,7 +161,8 @@ def test_defaults_follow_openai(http, engine):
 BAD_REQUESTS = [
     # (body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", ["max_tokens"]),
-    ({"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature", ["temperature", "greater than or equal to 0"]),
+    ({"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature",
+     ["temperature", "greater than or equal to 0"]),
     ({"model": MODEL, "prompt": "x", "temperature": 1e-40}, 400, "temperature", ["temperature", "denormal"]),
     ({"model": MODEL, "prompt": "x", "seed": 10**30}, 400, "seed", ["seed", "less than or equal to"]),
     ({"model": MODEL, "prompt": "x", "tbt_slo_s": 1e30}, 400, "tbt_slo_s", ["tbt_slo_s"]),

@@ -31,7 +31,8 @@ DEFAULT_MODELS = {"llama-prose": ZOO_PREFIX + "llama-prose", "qwen2-prose": ZOO_
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", help="a serve config file (deploy/serve_app/serve_config.yaml); its app's args are used")
+    source.add_argument("--config", help="a serve config file (deploy/serve_app/serve_config.yaml); "
+                        "its app's args are used")
     source.add_argument("--models", help="comma-separated zoo names, name=checkpoint_dir pairs, or checkpoint dirs "
                         f"(default: {', '.join(DEFAULT_MODELS)}, zoo models trained to write words)")
     parser.add_argument("--port", type=int, help=f"HTTP port (default: the config's, else {DEFAULT_PORT})")
