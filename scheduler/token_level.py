@@ -47,6 +47,11 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._last_model: str | None = None
         self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
 
+    @property
+    def quotas(self) -> dict[str, float]:
+        """Decode time quota of each model in the current round, seconds (inf: a batch alone)."""
+        return dict(self._quotas)
+
     def _choose(self, now: float) -> SchedulerOutput | None:
         output = (
             self._continue_group()

@@ -105,3 +105,20 @@ def test_the_last_frame_of_a_request_cut_mid_character_equals_decode(tokenizer, 
             request.status = RequestStatus.FINISHED_LENGTH
         texts.append(assembler.frame(request)[0].text)
     assert "".join(texts) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+class _SlowTokenizer:
+    """A tokenizer without a `tokenizers` backend: the detokenizer's window path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_window_path_and_streaming_decoder_emit_the_same_deltas(tokenizer, text):
+    prompt, output = tokenizer.encode("Tell me something."), tokenizer.encode(text)
+    sizes = [random.Random(1).randint(1, 3) for _ in output]
+    fast_detok, fast = _stream(tokenizer, prompt, output, sizes)
+    slow_detok, slow = _stream(_SlowTokenizer(tokenizer), prompt, output, sizes)
+    assert fast_detok._stream is not None and slow_detok._stream is None
+    assert fast == slow and slow_detok.text == text
