@@ -4,7 +4,9 @@ Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (streaming as SSE `data: {...}` chunks ending in
 `data: [DONE]`, or one JSON response). Every error is in the OpenAI shape
 (`deploy/openai_api/errors.py`); a body above `max_body_bytes` is refused (413) before it
-is read in full; with API keys set, every route but /health needs one (`auth.py`). The
+is read in full; a model too busy to start a request in time refuses it (429 with
+Retry-After, `admission.py`) while every accepted one runs to its end or to a clear error
+(`stall_timeout_s` without output stops it); with API keys set, every route but /health needs one (`auth.py`). The
 OpenAPI spec (/openapi.json) carries the request schemas and error responses
 (`openapi.py`). `OpenAIIngress` holds the logic without HTTP so the Serve deployment can
 expose the same stream to in-cluster callers (`generate_frames`).
@@ -23,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.openai_api.admission import Admission, Ticket
 from deploy.openai_api.auth import APIKeyMiddleware
 from deploy.openai_api.engine_protocol import EngineClient
 from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, request_too_large, server_error
@@ -47,6 +50,7 @@ class OpenAIIngress:
     def __init__(self, engine: EngineClient, config: IngressConfig | None = None) -> None:
         self.engine = engine
         self.config = config or IngressConfig()
+        self.admission = Admission(self.config.admission)
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
@@ -64,6 +68,15 @@ class OpenAIIngress:
         gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
         return parsed, gen_req
 
+    def admit(self, gen_req: GenerateRequest) -> Ticket:
+        """Accept the request (its ticket goes with its frames) or raise a 429."""
+        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s)
+
+    def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
+        """The accepted request's stream chunks (OpenAIError 429 if it is not accepted)."""
+        return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req),
+                             self.config.stall_timeout_s)
+
     async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
         """Entry point for in-cluster callers (a Serve handle with stream=True).
 
@@ -80,10 +93,11 @@ class OpenAIIngress:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
             _, gen_req = await self.prepare(endpoint, json.dumps(body))
+            chunks = self.chunks(gen_req, endpoint, include_usage=True)
         except OpenAIError as e:
             yield {**e.to_dict(), "status": e.status}
             return
-        async for chunk in stream_chunks(self.engine, gen_req, endpoint, include_usage=True):
+        async for chunk in chunks:
             yield chunk
 
 
@@ -115,10 +129,11 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
-        chunks = stream_chunks(ingress.engine, gen_req, endpoint, include_usage)
+        chunks = ingress.chunks(gen_req, endpoint, include_usage)
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
+    ticket = ingress.admit(gen_req)
     result: dict | None = None
     failure: OpenAIError | None = None
     async with anyio.create_task_group() as tg:
@@ -128,7 +143,7 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
 
         tg.start_soon(watch)
         try:
-            result = await collect_response(ingress.engine, gen_req, endpoint)
+            result = await collect_response(ingress.engine, gen_req, endpoint, ticket, ingress.config.stall_timeout_s)
         except OpenAIError as e:  # raised out of the group it would come wrapped in an ExceptionGroup
             failure = e
         tg.cancel_scope.cancel()
@@ -154,7 +169,7 @@ def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
-        return _error_response(e)
+        return _error_response(e, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 APP_NAME = "tokenmux"
 CLUSTER_DEPLOYMENT = "TokenmuxCluster"
+# Ingress places kept free of generation (Serve would queue beyond max_ongoing_requests, unbounded).
+RESERVED_INGRESS_SLOTS = 8
 
 
 def _kill_stale_topology() -> None:
@@ -110,6 +112,7 @@ class TokenmuxIngress:
     async def __init__(self, args: dict, cluster: Any) -> None:
         from deploy.serve_app.cluster_engine import ClusterEngineClient, model_infos
         from deploy.serve_app.metered_engine import MeteredEngineClient
+        from deploy.openai_api.admission import AdmissionConfig
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
@@ -124,7 +127,9 @@ class TokenmuxIngress:
                                     default_max_tokens=self.args.default_max_tokens,
                                     default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s),
                                     max_body_bytes=self.args.max_body_bytes,
-                                    api_keys=api_keys(self.args))
+                                    api_keys=api_keys(self.args),
+                                    admission=admission_config(self.args),
+                                    stall_timeout_s=self.args.stall_timeout_s)
         self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
         self.core = self._openai_app.state.ingress
 
@@ -143,6 +148,16 @@ class TokenmuxIngress:
 
     async def cluster_status(self) -> dict:
         return await self.cluster.status.remote()
+
+
+def admission_config(args: AppArgs) -> "AdmissionConfig":
+    """Admission of one ingress replica. Serve queues what exceeds max_ongoing_requests before
+    our code sees it (without a bound), so the edge refuses a little earlier: a few places stay
+    for /health, /v1/models and the 429s themselves."""
+    from deploy.openai_api.admission import AdmissionConfig
+
+    return AdmissionConfig(max_waiting=args.max_waiting_per_model, ttft_slo_multiple=args.ttft_slo_multiple,
+                           max_active=max(1, args.max_ongoing_requests - RESERVED_INGRESS_SLOTS))
 
 
 def api_keys(args: AppArgs) -> tuple[str, ...]:
@@ -170,5 +185,6 @@ def build_app(args: "dict | AppArgs") -> serve.Application:
     return ingress.bind(plain, cluster)
 
 
-__all__ = ["APP_NAME", "CLUSTER_DEPLOYMENT", "TokenmuxCluster", "TokenmuxIngress", "api_keys", "build_app",
+__all__ = ["APP_NAME", "CLUSTER_DEPLOYMENT", "TokenmuxCluster", "TokenmuxIngress", "admission_config", "api_keys",
+           "build_app",
            "topology_config"]

@@ -10,6 +10,7 @@
       devices_per_node: 2      # virtual devices per node on CPU hosts (omit on GPUs)
       api_keys: [sha256:...]   # HTTP needs one of these keys (or $TOKENMUX_API_KEYS); digests or keys
       require_api_key: true    # refuse to start without one (a config that listens beyond loopback)
+      max_waiting_per_model: 256   # then 429 + Retry-After; also when predicted TTFT > ttft_slo_multiple x SLO
 
 A model is a local checkpoint directory, or `zoo:NAME` for a model of the offline zoo
 (built on first use). Unknown keys are refused, and every error names its field. API keys
@@ -23,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.openai_api.auth import key_digests
-from deploy.openai_api.config import DEFAULT_MAX_BODY_BYTES
+from deploy.openai_api.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 
 ZOO_PREFIX = "zoo:"
 # What a checkpoint directory needs besides config.json and weights (ModelSpec checks those).
@@ -63,6 +64,12 @@ class AppArgs(BaseModel):
     api_keys: list[str] = Field(default_factory=list, description="HTTP API keys, or sha256:<hex> digests of them")
     require_api_key: bool = Field(False, description="refuse to start unless api_keys or $TOKENMUX_API_KEYS "
                                                      "give a key")
+    max_waiting_per_model: int = Field(256, ge=1, description="per ingress replica: requests waiting for their "
+                                                               "first token; more get a 429")
+    ttft_slo_multiple: float = Field(2.0, ge=0, allow_inf_nan=False,
+                                     description="429 when the predicted TTFT exceeds this x the TTFT SLO (0: off)")
+    stall_timeout_s: float = Field(DEFAULT_STALL_TIMEOUT_S, gt=0, allow_inf_nan=False,
+                                   description="a request with no output for this long fails with an error")
 
     @field_validator("api_keys")
     @classmethod
