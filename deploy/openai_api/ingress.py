@@ -155,6 +155,19 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
     return JSONResponse(result, headers={"X-Request-Id": gen_req.request_id})
 
 
+async def _health(engine: EngineClient) -> JSONResponse:
+    """200 while some model can be served (`unservable` lists the others), 503 when none can
+    (no live worker, or the router is gone): a load balancer then sends traffic elsewhere.
+    An engine without `servable_models` (no cluster behind it) is always healthy."""
+    served = sorted(m.name for m in engine.models())
+    check = getattr(engine, "servable_models", None)
+    servable = served if check is None else [m for m in await check() if m in served]
+    unservable = [m for m in served if m not in servable]
+    ok = bool(servable)
+    body = {"status": "ok" if ok else "unavailable", "num_models": len(served), "unservable": unservable}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
 def _error_response(e: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
@@ -184,9 +197,9 @@ def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None)
         logger.exception("unhandled error in the ingress")
         return _error_response(server_error(f"internal error: {type(e).__name__}"))
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "num_models": len(engine.models())}
+    @app.get("/health", responses={503: {"description": "No model can be served now"}})
+    async def health() -> Response:
+        return await _health(engine)
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict:
