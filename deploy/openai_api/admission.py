@@ -106,7 +106,7 @@ class Admission:
             raise overloaded(f"the server is at its limit of {c.max_active} requests in flight", 1.0)
         if q.waiting >= c.max_waiting:
             self.rejected += 1
-            raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start, its limit",
+            raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start (its limit)",
                              drain_s(q.waiting - c.max_waiting + 1))
         predicted = self.predicted_ttft_s(model)
         allowed = c.ttft_slo_multiple * ttft_slo_s

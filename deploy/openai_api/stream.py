@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import aclosing
 from typing import AsyncIterator, Literal
 
 import anyio
@@ -105,21 +106,25 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
     first = True
     finish_reason = None
     try:
-        async for frame in engine_frames(engine, req, ticket, stall_timeout_s):
-            finish_reason = frame.finish_reason
-            if frame.error is not None:
-                yield _error_chunk(f"generation failed: {frame.error}")
-                return
-            num_completion_tokens += len(frame.token_ids)
-            if endpoint == "completions":
-                chunk = CompletionResponse(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
-                                           choices=[CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)])
-            else:
-                delta = ChatDelta(role="assistant" if first else None, content=frame.text)
-                chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
-                                            choices=[ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)])
-            first = False
-            yield chunk.model_dump()
+        # aclosing: the frames' cleanup (abort, ticket) is done before the stream's end is sent
+        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
+            async for frame in frames:
+                finish_reason = frame.finish_reason
+                if frame.error is not None:
+                    yield _error_chunk(f"generation failed: {frame.error}")
+                    return
+                num_completion_tokens += len(frame.token_ids)
+                if endpoint == "completions":
+                    choice = CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)
+                    chunk = CompletionResponse(id=req.request_id, created=created, model=req.model,
+                                               tokenmux=_ext(frame), choices=[choice])
+                else:
+                    delta = ChatDelta(role="assistant" if first else None, content=frame.text)
+                    choice = ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)
+                    chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model,
+                                                tokenmux=_ext(frame), choices=[choice])
+                first = False
+                yield chunk.model_dump()
     except Exception as e:  # an engine failure is a value in the stream
         logger.exception("request %s failed in the engine", req.request_id)
         yield _error_chunk(f"generation failed: {e}")
@@ -146,14 +151,15 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
     ext = TokenmuxExtension()
     finish_reason = None
     try:
-        async for frame in engine_frames(engine, req, ticket, stall_timeout_s):
-            if frame.error is not None:
-                raise server_error(f"generation failed: {frame.error}")
-            text.append(frame.text)
-            ext.token_ids.extend(frame.token_ids)
-            ext.token_times.extend(frame.token_times)
-            ext.worker_id = frame.worker_id or ext.worker_id
-            finish_reason = frame.finish_reason
+        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
+            async for frame in frames:
+                if frame.error is not None:
+                    raise server_error(f"generation failed: {frame.error}")
+                text.append(frame.text)
+                ext.token_ids.extend(frame.token_ids)
+                ext.token_times.extend(frame.token_times)
+                ext.worker_id = frame.worker_id or ext.worker_id
+                finish_reason = frame.finish_reason
     except OpenAIError:
         raise
     except Exception as e:
