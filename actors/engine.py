@@ -22,6 +22,7 @@ import torch
 
 from actors.device_memory import DeviceMemory, format_bytes
 from actors.engine_metrics import EngineRecorder
+from actors.fault_isolation import describe, run_isolated
 from actors.host_cache import HostWeightCache
 from actors.kernel_path import KERNELS, KernelPath
 from actors.kv_pool import DeviceKVPool, HostKVPool, KVBlocks, copy_blocks
@@ -230,11 +231,12 @@ class Engine:
             return []
         switch_s = self._prepare(output)
         run_start = time.perf_counter()
-        sampled = self._run(output)
+        sampled, failed = self._run(output)
         run_s = time.perf_counter() - run_start
+        frames = self._fail(failed)      # requests that failed alone end here; the step goes on
         finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s)
         self.policy.set_resident(self.slots.resident())
-        frames = self._emit(output, finished)
+        frames += self._emit(output, finished)
         self.metrics.on_step(output, switch_s, start)
         if self._hold_after_prefill:
             self._hold_prefilled(output)
@@ -266,14 +268,29 @@ class Engine:
             copy_blocks(host_view, host_ids, view, device_ids)
         return switch_s
 
-    def _run(self, output: SchedulerOutput) -> dict[str, int]:
+    def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
+        """One forward + sampling: (request id -> token, request id -> why it failed alone)."""
         m = self.models[output.model]
-        chunks = [SeqChunk(_new_tokens(r), r.num_computed_tokens, r.block_ids) for r in output.requests]
-        logits = m.runner.forward(self.slots.params(output.model), chunks, m.kv)   # [B, vocab]
-        outs = [self.outputs[r.request_id] for r in output.requests]
-        tokens = self.sampler.sample(logits, [r.sampling_params for r in output.requests],
-                                     [o.generator for o in outs])
-        return {r.request_id: t for r, t in zip(output.requests, tokens)}
+        params = self.slots.params(output.model)
+
+        def forward(requests: list[Request]) -> torch.Tensor:   # -> [B, vocab]
+            chunks = [SeqChunk(_new_tokens(r), r.num_computed_tokens, r.block_ids) for r in requests]
+            return m.runner.forward(params, chunks, m.kv)
+
+        def sample(requests: list[Request], logits: torch.Tensor) -> list[int]:
+            return self.sampler.sample(logits, [r.sampling_params for r in requests],
+                                       [self.outputs[r.request_id].generator for r in requests])
+
+        return run_isolated(forward, sample, output.requests)
+
+    def _fail(self, failed: dict[str, str]) -> list[OutputFrame]:
+        """End each request that failed alone with an error frame of its own."""
+        frames = []
+        for request_id, why in failed.items():
+            logger.warning("request %s failed: %s", request_id, why)
+            self.abort(request_id)
+            frames.append(OutputFrame(request_id, finish_reason=FINISH_ERROR, error=why))
+        return frames
 
     def _emit(self, output: SchedulerOutput, finished: list[Request]) -> list[OutputFrame]:
         done = {r.request_id for r in finished}
@@ -282,7 +299,11 @@ class Engine:
             assembler = self.outputs.get(request.request_id)
             if assembler is None:
                 continue
-            frame, stopped = assembler.frame(request)
+            try:
+                frame, stopped = assembler.frame(request)
+            except Exception as exc:   # this request's text cannot be made: it alone fails
+                frames += self._fail({request.request_id: f"detokenizing failed: {describe(exc)}"})
+                continue
             if stopped and request.request_id not in done:   # a stop string ended it
                 self.policy.abort_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 done.add(request.request_id)
@@ -295,7 +316,9 @@ class Engine:
         return frames
 
     def fail_all(self, message: str) -> list[OutputFrame]:
-        """After an unexpected error in a step: end every request with an error frame."""
+        """After a step failed in a way no request explains (a device fault, see
+        actors/fault_isolation.py):
+        end every request on this device with an error frame."""
         frames = []
         for request_id in list(self.requests):
             self.abort(request_id)

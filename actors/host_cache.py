@@ -1,12 +1,17 @@
 """The node-wide host weight cache: each model's flat weights held once per node.
 
 Every worker process on a node maps the same shared-memory file per model
-(`<shm_dir>/<prefix>-<fingerprint>`), so N workers serving the same model hold its
+(`<shm_dir>/<prefix>-<uid>-<fingerprint>`), so N workers serving the same model hold its
 weights once. The first process to need a model fills the file from safetensors under
-an exclusive `fcntl` lock on `<file>.lock` and then writes `<file>.ready`; the others
-wait on the lock, see the marker and just map the file. A process that dies mid-fill
-releases the lock and leaves no marker, so the next one refills. Reading the
-checkpoint from disk is the cold path only; a swap-in copies from this mapping.
+an exclusive `fcntl` lock on `<file>.lock` and then records the file's size and SHA-256
+in `<file>.ready`; the others wait on the lock and map the file once it matches that
+record (a process that dies mid-fill leaves no file at the name, so the next refills).
+Reading the checkpoint from disk is the cold path only; a swap-in copies from this mapping.
+
+The files are this user's alone (actors/private_files.py): created 0600 with O_EXCL under a
+temporary name and renamed into place, and used only when owned by us and private. A
+process removes the files it filled when it shuts down (`remove_created`, also at exit),
+never another's, unless asked to keep them ($TOKENMUX_KEEP_HOST_CACHE=1 or keep_files).
 
 Pinning on GPU hosts: the shared mapping itself is page-locked with `cudaHostRegister`
 (per process, no extra copy), so host->device copies run at full DMA speed straight out
@@ -16,6 +21,7 @@ fallback when registration is refused. On CPU hosts nothing is pinned.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
 import json
@@ -29,12 +35,16 @@ from pathlib import Path
 import torch
 
 from actors.packed_linear import pack_into
+from actors.private_files import UntrustedFile, create_private, open_private, read_private, sha256_hex, write_private
 from actors.weight_layout import WeightLayout, numel
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "tokenmux-weights"
+KEEP_ENV = "TOKENMUX_KEEP_HOST_CACHE"
+# Files this process filled (a weights file, its .ready and .lock), removed at exit unless kept.
+_CREATED: set[Path] = set()
 
 
 @dataclass
@@ -48,7 +58,9 @@ class _Mapped:
 
 class HostWeightCache:
     def __init__(self, shm_dir: str | Path = DEFAULT_SHM_DIR, prefix: str = DEFAULT_PREFIX,
-                 pin: bool | None = None):
+                 pin: bool | None = None, keep_files: bool | None = None):
+        """keep_files: leave the files this process fills on the node at shutdown
+        (default: $TOKENMUX_KEEP_HOST_CACHE)."""
         self.shm_dir = Path(shm_dir)
         if not self.shm_dir.is_dir():
             raise ValueError(f"shared-memory directory {self.shm_dir} does not exist")
@@ -60,6 +72,8 @@ class HostWeightCache:
         self._mapped: dict[str, _Mapped] = {}
         self.num_fills = 0            # fills done by THIS process (0 = reused another's)
         self.fill_seconds = 0.0
+        self.keep_files = _env_keep() if keep_files is None else keep_files
+        self._created: set[Path] = set()
 
     def add(self, model: str, layout: WeightLayout) -> None:
         """Make `model` known; its weights are read on the first `flat(model)`."""
@@ -74,7 +88,7 @@ class HostWeightCache:
         return self._layouts[model]
 
     def file_for(self, model: str) -> Path:
-        return self.shm_dir / f"{self.prefix}-{self.layout(model).fingerprint()}"
+        return self.shm_dir / f"{self.prefix}-{os.getuid()}-{self.layout(model).fingerprint()}"
 
     def flat(self, model: str) -> torch.Tensor:
         """The model's weights as one uint8 tensor `[total_bytes]`, filling the cache on first use."""
@@ -101,12 +115,26 @@ class HostWeightCache:
         self._release(model)
         for p in (path.with_name(path.name + ".ready"), path, path.with_name(path.name + ".lock")):
             p.unlink(missing_ok=True)
+            self._created.discard(p)
+            _CREATED.discard(p)
         self._layouts.pop(model, None)
 
     def close(self) -> None:
         """Unmap everything in this process; the files stay for the other workers."""
         for model in list(self._mapped):
             self._release(model)
+
+    def remove_created(self) -> list[Path]:
+        """At shutdown: remove the files this cache filled (unless keep_files); returns them.
+        Processes that mapped them keep their mapping; a later user refills."""
+        if self.keep_files:
+            return []
+        removed = sorted(self._created)
+        for p in removed:
+            p.unlink(missing_ok=True)
+        _CREATED.difference_update(self._created)
+        self._created.clear()
+        return removed
 
     def __del__(self) -> None:
         # A registration must end before its mapping does: a later mmap at the same address
@@ -126,12 +154,17 @@ class HostWeightCache:
         layout = self.layout(model)
         path = self.file_for(model)
         ready = path.with_name(path.name + ".ready")
-        with open(path.with_name(path.name + ".lock"), "a+") as lock:
+        lock_path = path.with_name(path.name + ".lock")
+        with os.fdopen(open_private(lock_path, os.O_RDWR, create=True), "r+") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)   # held through the fill: others wait, then reuse
             try:
-                if not ready.exists():
+                mapping = _verified_mapping(path, ready, layout.total_bytes)
+                if mapping is None:
                     self._fill(layout, path, ready)
-                mapping = _map_file(path, layout.total_bytes)
+                    if not self.keep_files:
+                        self._created.update((path, ready, lock_path))
+                        _CREATED.update(self._created)
+                    mapping = _map_file(path, layout.total_bytes)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         flat = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -142,26 +175,66 @@ class HostWeightCache:
 
     def _fill(self, layout: WeightLayout, path: Path, ready: Path) -> None:
         start = time.perf_counter()
-        tmp_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, tmp = create_private(path)   # filled under a private name, then renamed into place
         try:
-            os.ftruncate(tmp_fd, layout.total_bytes)
+            os.ftruncate(fd, layout.total_bytes)
+            mapping = mmap.mmap(fd, layout.total_bytes, flags=mmap.MAP_SHARED)
+            flat = torch.frombuffer(mapping, dtype=torch.uint8)
+            _read_checkpoint(layout, flat)
+            del flat
+            digest = sha256_hex(mapping)
+            mapping.close()
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
-            os.close(tmp_fd)
-        mapping = _map_file(path, layout.total_bytes)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8)
-        _read_checkpoint(layout, flat)
-        del flat
-        mapping.close()
+            os.close(fd)
         elapsed = time.perf_counter() - start
-        ready.write_text(json.dumps({"pid": os.getpid(), "seconds": elapsed, "checkpoint": layout.path}))
+        write_private(ready, json.dumps({"size": layout.total_bytes, "sha256": digest, "pid": os.getpid(),
+                                         "seconds": elapsed, "checkpoint": layout.path}).encode())
         self.num_fills += 1
         self.fill_seconds += elapsed
         logger.info("host cache: filled %s (%.1f MB) from %s in %.2fs",
                     path.name, layout.total_bytes / 1e6, layout.path, elapsed)
 
 
+def _verified_mapping(path: Path, ready: Path, size: int) -> mmap.mmap | None:
+    """A mapping of `path` if it holds what its .ready record says (size and SHA-256) and
+    `size` bytes; None when it must be (re)filled. UntrustedFile if either is not ours."""
+    record = read_private(ready)
+    try:
+        expected = json.loads(record) if record is not None else {}
+    except ValueError:
+        expected = {}
+    if expected.get("size") != size:
+        return None
+    try:
+        mapping = _map_file(path, size)
+    except UntrustedFile:
+        raise
+    except (ValueError, FileNotFoundError):   # not there, or not `size` bytes
+        return None
+    if sha256_hex(mapping) != expected.get("sha256"):
+        logger.warning("host cache: %s does not match its recorded hash; refilling", path.name)
+        mapping.close()
+        return None
+    return mapping
+
+
+def _env_keep() -> bool:
+    return os.environ.get(KEEP_ENV, "").lower() in ("1", "true", "yes")
+
+
+@atexit.register
+def _remove_created_at_exit() -> None:
+    if not _env_keep():
+        for p in _CREATED:
+            p.unlink(missing_ok=True)
+
+
 def _map_file(path: Path, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
+    fd = open_private(path, os.O_RDWR)
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError(f"host cache file {path} has {os.fstat(fd).st_size} bytes, expected {size}")

@@ -44,6 +44,8 @@ class OutputAssembler:
         times = request.token_times[self.num_sent_tokens:]
         self.num_sent_tokens = len(request.output_token_ids)
         self.detokenizer.step(new_ids)
+        if request.is_finished:   # the last frame: a character cut off by the end becomes U+FFFD,
+            self.detokenizer.finish()   # as tokenizer.decode(output_ids) gives it
         text = self.detokenizer.text
         stopped = False
         end = len(text)

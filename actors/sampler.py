@@ -5,6 +5,11 @@ to the top-k, then to the top-p nucleus (the smallest set of most likely tokens 
 probability reaches top_p), and one token is drawn by inverse CDF from a single uniform
 number. That number comes from the request's own torch.Generator when it has a seed, so a
 seeded request draws the same tokens whatever other requests share its batch.
+
+A row whose logits are not finite (NaN, +inf: a numeric blow-up of that one sequence), or
+are not once divided by its temperature, gets INVALID_TOKEN instead of a token, so the
+engine fails that request alone; every other row is sampled as usual (and every seeded
+generator still draws once).
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+INVALID_TOKEN = -1
+
+
 class Sampler:
     def sample(
         self,
@@ -27,7 +35,7 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
-        """# logits [B, V] -> B token ids."""
+        """# logits [B, V] -> B token ids (INVALID_TOKEN for a row whose logits are not finite)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
         if not len(params) == len(generators) == logits.shape[0]:
@@ -35,14 +43,19 @@ class Sampler:
                 f"need one SamplingParams and one generator per row: {logits.shape[0]} rows, "
                 f"{len(params)} params, {len(generators)} generators"
             )
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)   # [B]; argmax picks a NaN or +inf when the row has one
+        bad = ~logits.gather(1, tokens[:, None]).squeeze(1).isfinite()   # [B], B values read, not B * V
+        tokens = tokens.masked_fill(bad, INVALID_TOKEN)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens.tolist()
-        sampled = self._sample_rows(logits[rows].float(), [params[i] for i in rows], [generators[i] for i in rows])
+        # A bad row is sampled from zeros (and its token dropped), so every generator draws once.
+        clean = logits[rows].float().masked_fill(bad[rows].unsqueeze(1), 0.0)
+        sampled = self._sample_rows(clean, [params[i] for i in rows], [generators[i] for i in rows])
         tokens = tokens.tolist()
         for i, t in zip(rows, sampled):
-            tokens[i] = t
+            if tokens[i] != INVALID_TOKEN:
+                tokens[i] = t
         return tokens
 
     @staticmethod
@@ -53,6 +66,8 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], device=device)
         # Sorted descending; stable so equal logits keep a fixed order.
         values, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True, stable=True)  # [R, V]
+        bad = ~values[:, 0].isfinite()   # [R] NaN/inf once scaled: drawn from zeros, reported INVALID
+        values = values.masked_fill(bad[:, None], 0.0)
         rank = torch.arange(V, device=device)
         values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
         probs = values.softmax(dim=-1)
@@ -63,7 +78,7 @@ class Sampler:
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [R, 1]
         num_kept = (probs > 0).sum(dim=-1, keepdim=True)
         pick = torch.minimum(pick, num_kept - 1)  # rounding must never land past the kept tokens
-        return order.gather(1, pick).squeeze(1).tolist()
+        return order.gather(1, pick).squeeze(1).masked_fill(bad, INVALID_TOKEN).tolist()
 
 
 def _uniform(generator: torch.Generator | None) -> float:

@@ -173,10 +173,12 @@ class DeviceWorker:
                 yield frame
 
     async def close(self) -> None:
-        """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
+        """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)
+        and the host weight-cache files this worker filled."""
         self.metrics.stop()
         self.engine_loop.stop()
         self.transfers.close()
+        self.engine.slots.host.remove_created()
 
     async def node(self) -> str:
         return self.node_id

@@ -7,6 +7,13 @@ without each claiming every core. On a CPU host the node declares `num_gpus=N` v
 GPUs (one per virtual device of the inventory); Ray hands them out like real ones, and a
 DeviceWorker asks for `num_gpus=1, num_cpus=0` either way.
 
+A local start is private to this machine and this user: Ray's servers (GCS, raylet,
+object manager, workers) bind to loopback only, and Ray's token authentication stays on
+(Ray's default for a new cluster; tokenmux no longer turns it off). Whatever the user
+configured wins: RAY_AUTH_MODE (e.g. `disabled`), RAY_AUTH_TOKEN(_PATH), and
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 to take the host's address instead of loopback.
+Joining a cluster changes none of Ray's settings.
+
 Nothing here calls `ray stop`: that kills every Ray on the machine.
 """
 from __future__ import annotations
@@ -24,7 +31,10 @@ logger = logging.getLogger(__name__)
 # holds 107 bytes, and the session part takes about 70 of them.
 MAX_TEMP_DIR_CHARS = 36
 DEFAULT_OBJECT_STORE_BYTES = 512 * 1024**2
-DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+# Set before a local start unless the user set it: at "0" Ray takes 127.0.0.1 as the node's
+# address (on Linux too), and every server it starts binds there, not on all interfaces.
+LOCAL_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 NAMESPACE = "tokenmux"
 
@@ -80,9 +90,21 @@ def connect_or_start(
                 kwargs["num_cpus"], kwargs["num_gpus"], " (virtual)" if kwargs["_virtual"] else "",
                 object_store_memory // 1024**2, kwargs["_temp_dir"])
     kwargs.pop("_virtual")
+    _private_local_start()
     ray.init(namespace=NAMESPACE, runtime_env=runtime_env, include_dashboard=False,
              log_to_driver=log_to_driver, configure_logging=False, **kwargs)
     return _describe(started_locally=True, temp_dir=kwargs["_temp_dir"])
+
+
+def _private_local_start() -> None:
+    """Loopback binding for the local start, unless the user chose otherwise."""
+    for key, value in LOCAL_START_ENV.items():
+        os.environ.setdefault(key, value)
+    # Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into a constant at import; the node address
+    # is looked up through it when the local node starts (ray._private.services.get_node_ip_address).
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
 
 
 def local_init_kwargs(

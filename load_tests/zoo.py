@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from load_tests.zoo_training import Training, train
+
 logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).with_name("zoo_corpus.txt")
@@ -75,6 +77,8 @@ class Recipe:
     # The final RMSNorm weight is set so that logits have about this std (peaky softmax).
     logit_std: float = 5.0
     default: bool = True            # built by `build_zoo()` without names
+    # None: random weights (speak noise). A Training: trained on the corpus (load_tests/zoo_training.py).
+    training: Training | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHITECTURES:
@@ -95,7 +99,10 @@ class Recipe:
         return self.num_layers * layer + embeddings + h  # + final norm
 
     def fingerprint(self) -> str:
-        data = json.dumps({"recipe": asdict(self), "format": ZOO_FORMAT, "corpus": _corpus_digest()}, sort_keys=True)
+        recipe = asdict(self)
+        if recipe["training"] is None:   # untrained recipes keep the fingerprints their caches were built with
+            del recipe["training"]
+        data = json.dumps({"recipe": recipe, "format": ZOO_FORMAT, "corpus": _corpus_digest()}, sort_keys=True)
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
@@ -131,6 +138,12 @@ ZOO: dict[str, Recipe] = _recipes(
            head_dim=64, intermediate_size=1024, seed=401, initializer_range=0.05),
     Recipe("llama-100m", "llama", num_layers=14, hidden_size=768, num_heads=12, num_kv_heads=4,
            head_dim=64, intermediate_size=2304, seed=501, initializer_range=0.05, max_position_embeddings=4096),
+    # Trained for a few CPU minutes, so they write words: the embedded default of `tokenmux serve` and the demo.
+    Recipe("llama-prose", "llama", num_layers=4, hidden_size=192, num_heads=6, num_kv_heads=2,
+           head_dim=32, intermediate_size=512, seed=601, initializer_range=0.02, training=Training(seed=1)),
+    Recipe("qwen2-prose", "qwen2", num_layers=4, hidden_size=192, num_heads=6, num_kv_heads=3,
+           head_dim=32, intermediate_size=448, seed=602, initializer_range=0.02, tie_word_embeddings=True,
+           training=Training(seed=2)),
 )
 TINY_MODELS = tuple(name for name in ZOO if "-tiny-" in name)
 
@@ -153,8 +166,10 @@ def is_built(name: str, zoo_dir: str | Path | None = None) -> bool:
         return False
 
 
-def ensure_model(name: str, zoo_dir: str | Path | None = None) -> Path:
-    """The model's directory, built first if it is missing, incomplete or outdated."""
+def ensure_model(name: str, zoo_dir: str | Path | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> Path:
+    """The model's directory, built first if it is missing, incomplete or outdated.
+    `progress(step, steps)` follows the training of a trained recipe."""
     r = recipe(name)
     root = Path(zoo_dir or default_zoo_dir()).expanduser()
     target = root / name
@@ -172,7 +187,7 @@ def ensure_model(name: str, zoo_dir: str | Path | None = None) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         staging.chmod(0o755)
         try:
-            _build(r, staging)
+            _build(r, staging, progress)
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)
@@ -280,23 +295,37 @@ def _hf_config(r: Recipe):
     return AutoConfig.for_model(r.arch, **kwargs)
 
 
-def _build(r: Recipe, out: Path) -> None:
+def _build(r: Recipe, out: Path, progress: Callable[[int, int], None] | None = None) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     config = _hf_config(r)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(r.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # normed hidden has rms 1, so logit std = norm * sqrt(hidden) * init
-        model.model.norm.weight.fill_(r.logit_std / (r.hidden_size**0.5 * r.initializer_range))
+    tokenizer = _tokenizer(r)
+    if r.training is None:
+        with torch.no_grad():  # normed hidden has rms 1, so logit std = norm * sqrt(hidden) * init
+            model.model.norm.weight.fill_(r.logit_std / (r.hidden_size**0.5 * r.initializer_range))
+    else:
+        train(model, tokenizer, CORPUS_PATH.read_text(), r.training, progress)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS, eos_token_id=[EOS, IM_END], pad_token_id=PAD, do_sample=False
     )
     with _quiet_transformers():
         model.save_pretrained(out, safe_serialization=True)
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer.save_pretrained(out)
+    for file in out.iterdir():
+        file.chmod(0o644)  # save_pretrained may leave 0600 files behind
+    marker = {"name": r.name, "fingerprint": r.fingerprint(), "num_params": r.num_params}
+    (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n")  # last: the dir is complete
+
+
+def _tokenizer(r: Recipe):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
         bos_token=SPECIAL_TOKENS[BOS],
         eos_token=SPECIAL_TOKENS[EOS],
@@ -305,11 +334,6 @@ def _build(r: Recipe, out: Path) -> None:
         chat_template=CHAT_TEMPLATE,
         model_max_length=r.max_position_embeddings,
     )
-    tokenizer.save_pretrained(out)
-    for file in out.iterdir():
-        file.chmod(0o644)  # save_pretrained may leave 0600 files behind
-    marker = {"name": r.name, "fingerprint": r.fingerprint(), "num_params": r.num_params}
-    (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n")  # last: the dir is complete
 
 
 @contextlib.contextmanager

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.validation import check_real
+
+# Outside this range an SLO means nothing a scheduler can act on, and its quotient with a
+# step time (scheduler/quota.py) would underflow or overflow: 100 us .. about 11 days.
+MIN_SLO_S, MAX_SLO_S = 1e-4, 1e6
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -10,10 +16,12 @@ class SLO:
     tbt_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0:
-            raise ValueError(f"ttft_s must be > 0, got {self.ttft_s!r}")
-        if self.tbt_s <= 0:
-            raise ValueError(f"tbt_s must be > 0, got {self.tbt_s!r}")
+        for name in ("ttft_s", "tbt_s"):
+            value = check_real(name, getattr(self, name))
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+            if not MIN_SLO_S <= value <= MAX_SLO_S:
+                raise ValueError(f"{name} must be in [{MIN_SLO_S:g}, {MAX_SLO_S:g}] seconds, got {value!r}")
 
     def deadline(self, start: float, k: int) -> float:
         """Deadline of output token k (0-based) for a request that started at `start`."""

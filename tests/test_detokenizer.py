@@ -84,6 +84,29 @@ def test_partial_stop_len_holds_back_possible_stop_prefixes():
     assert partial_stop_len("", ["x"]) == 0
 
 
+@pytest.mark.parametrize("stops", [(), ("zz",)])
+def test_the_last_frame_of_a_request_cut_mid_character_equals_decode(tokenizer, stops):
+    """A request that ends (max_tokens, EOS) in the middle of a character: its text, frame by
+    frame, adds up to tokenizer.decode(output_ids), replacement characters included."""
+    from actors.output_stream import OutputAssembler
+    from scheduler.request import Request, RequestStatus
+    from scheduler.sampling_params import SamplingParams
+
+    ids = tokenizer.encode("ok 🙂")
+    output = ids[:-1]   # the emoji's last byte never comes
+    assert tokenizer.decode(output).endswith("\ufffd")
+    request = Request("r", "m", tokenizer.encode("Hi"), SamplingParams(max_tokens=len(output), stop=stops))
+    assembler = OutputAssembler(tokenizer, request, "cpu")
+    texts = []
+    for i, token in enumerate(output):
+        request.output_token_ids.append(token)
+        request.token_times.append(float(i))
+        if i == len(output) - 1:
+            request.status = RequestStatus.FINISHED_LENGTH
+        texts.append(assembler.frame(request)[0].text)
+    assert "".join(texts) == tokenizer.decode(output, skip_special_tokens=True)
+
+
 class _SlowTokenizer:
     """A tokenizer without a `tokenizers` backend: the detokenizer's window path."""
 

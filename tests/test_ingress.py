@@ -161,7 +161,11 @@ def test_defaults_follow_openai(http, engine):
 BAD_REQUESTS = [
     # (body, status, param, words in the message)
     ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", ["max_tokens"]),
-    ({"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature", ["temperature", ">= 0"]),
+    ({"model": MODEL, "prompt": "x", "temperature": -1.0}, 400, "temperature",
+     ["temperature", "greater than or equal to 0"]),
+    ({"model": MODEL, "prompt": "x", "temperature": 1e-40}, 400, "temperature", ["temperature", "denormal"]),
+    ({"model": MODEL, "prompt": "x", "seed": 10**30}, 400, "seed", ["seed", "less than or equal to"]),
+    ({"model": MODEL, "prompt": "x", "tbt_slo_s": 1e30}, 400, "tbt_slo_s", ["tbt_slo_s"]),
     ({"model": MODEL, "prompt": "x", "top_p": 0.0}, 400, "top_p", ["top_p"]),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", ["'n'", "not supported"]),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of", ["best_of", "not supported"]),
@@ -210,6 +214,16 @@ def test_bad_chat_requests_name_the_field(http, body, param):
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                   "ttft_slo_s", "tbt_slo_s"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_literals_are_400s_naming_the_field(http, field, literal):
+    body = '{"model": "%s", "prompt": "x", "%s": %s}' % (MODEL, field, literal)
+    resp = http.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field and "finite" in resp.json()["error"]["message"]
 
 
 def test_malformed_json_is_a_400(http):

@@ -110,7 +110,8 @@ def _fill_in_child(path: str, prefix: str) -> tuple[int, bytes]:
     return cache.num_fills, bytes(data.numpy()[:4096]) + data.sum().item().to_bytes(8, "little")
 
 
-def test_host_cache_is_filled_once_per_node(models, prefix):
+def test_host_cache_is_filled_once_per_node(models, prefix, monkeypatch):
+    monkeypatch.setenv("TOKENMUX_KEEP_HOST_CACHE", "1")   # the filling child exits; its file stays for us
     ctx = mp.get_context("spawn")
     with ctx.Pool(2) as pool:   # two fresh processes race to fill the same model
         results = pool.starmap(_fill_in_child, [(str(models["a"]), prefix)] * 2)
@@ -119,6 +120,7 @@ def test_host_cache_is_filled_once_per_node(models, prefix):
     files = [f for f in SHM.glob(prefix + "-*") if f.suffix == ""]
     assert len(files) == 1
 
+    monkeypatch.delenv("TOKENMUX_KEEP_HOST_CACHE")
     here = HostWeightCache(prefix=prefix)        # this process reuses the file too
     here.add("a", WeightLayout.from_dir(models["a"]))
     flat = here.flat("a")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from load_tests import zoo
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENMUX = REPO / ".venv" / "bin" / "tokenmux"
+TOKENMUX = Path(sys.executable).parent / "tokenmux"   # the env running the tests (a worktree has no .venv)
 
 
 @pytest.fixture(scope="module")

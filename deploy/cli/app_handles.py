@@ -24,6 +24,9 @@ def cluster_status(app_name: str = "tokenmux") -> "ClusterStatus":
     """The topology's status (workers, plan, router) from the app that owns it."""
     from ray import serve
 
+    from deploy.cli.console import NothingRunning
+
     if app_name not in serve.status().applications:
-        raise ValueError(f"no Serve application {app_name!r} is running; start one with `tokenmux serve`")
+        raise NothingRunning(f"no tokenmux app {app_name!r} is running on this cluster "
+                             f"(`tokenmux serve` starts one)")
     return cluster_handle(app_name).status.remote().result(timeout_s=60)

@@ -1,15 +1,15 @@
-"""`tokenmux serve | status | shutdown`, and `run_local`, the in-process way to serve.
+"""`tokenmux status | shutdown`, the building blocks of `serve` (serve_command.py), and
+`run_local`, the in-process way to serve.
 
     with run_local(["llama-tiny-a", "qwen2-tiny-b"], port=8000) as url:
         ...   # OpenAI-compatible HTTP at url; TokenmuxClient(url) or the openai SDK
 
-`serve` joins the Ray cluster at --address / $RAY_ADDRESS, or starts a local one with
-virtual devices; deploys `deploy.serve_app.app:build_app` with Serve; prints the URL; and stays
-until Ctrl-C (then deletes the app), or returns at once with --detach. `status` and
-`shutdown` join the cluster the same way (a detached `serve` leaves a local Ray only for
-as long as its process lives, so use them with `ray start --head` + `serve --address auto`).
-`shutdown` deletes the Serve app (its topology dies with it, see deploy/app.py) and kills
-any tokenmux actor left in Serve's namespace. Nothing here runs `ray stop`.
+`status` and `shutdown` join the cluster at --address / $RAY_ADDRESS, else the one Ray
+finds on this machine (a detached `serve` leaves a local Ray only for as long as its
+process lives, so use them with `ray start --head` + `serve --address auto`); with nothing
+running they say so in one line. `shutdown` deletes the Serve app (its topology dies with
+it, see deploy/serve_app/app.py) and kills any tokenmux actor left in Serve's namespace.
+Nothing here runs `ray stop`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import contextlib
 import logging
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -64,7 +63,7 @@ def parse_models(models: "str | list[str] | dict[str, str]") -> dict[str, str]:
             name, source = (s.strip() for s in item.split("=", 1))
         elif item.startswith(ZOO_PREFIX):
             name, source = item[len(ZOO_PREFIX):], item
-        elif Path(item).expanduser().is_dir():
+        elif Path(item).expanduser().is_dir() or _looks_like_a_path(item):   # a missing dir fails its check later
             name, source = Path(item).expanduser().resolve().name, str(Path(item).expanduser().resolve())
         else:
             name, source = item, ZOO_PREFIX + item
@@ -72,6 +71,10 @@ def parse_models(models: "str | list[str] | dict[str, str]") -> dict[str, str]:
             raise ValueError(f"model {name!r} is given twice in --models")
         out[name] = source
     return out
+
+
+def _looks_like_a_path(item: str) -> bool:
+    return "/" in item or item.startswith((".", "~"))
 
 
 def load_config_args(path: str, app_name: str | None = None) -> dict:
@@ -94,7 +97,8 @@ def load_http_options(path: str) -> dict:
 
 
 def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
-    """Build the zoo models the args name (once; later calls find them built)."""
+    """Build the zoo models the args name (once; later calls find them built); a trained
+    one shows its training steps."""
     from load_tests import zoo
 
     names = [s[len(ZOO_PREFIX):] for s in args.models.values() if s.startswith(ZOO_PREFIX)]
@@ -103,8 +107,14 @@ def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
         return
     from tqdm import tqdm
 
-    for name in tqdm(missing, desc="building zoo models", unit="model", file=sys.stderr, disable=not show_progress):
-        zoo.ensure_model(name)
+    for name in missing:
+        with tqdm(desc=f"building zoo model {name}", unit="step", file=sys.stderr, disable=not show_progress) as bar:
+
+            def progress(step: int, steps: int) -> None:
+                bar.total, bar.n = steps, step
+                bar.refresh()
+
+            zoo.ensure_model(name, progress=progress)
 
 
 def http_url() -> str:
@@ -124,7 +134,7 @@ def deploy(args: AppArgs, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, ap
     from deploy.serve_app.app import build_app
 
     build_zoo_models(args, show_progress)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port})   # serve.run below reconnects (quietly: console.py)
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -235,56 +245,6 @@ def run_local(models: "str | list[str] | dict[str, str]", *, port: int = DEFAULT
 # ---- the subcommands ------------------------------------------------------------------
 
 
-def configure_serve(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="a serve config file (deploy/serve_app/serve_config.yaml); its app's args are used")
-    source.add_argument("--models", help="comma-separated zoo names, name=checkpoint_dir pairs, or checkpoint dirs")
-    parser.add_argument("--port", type=int, help=f"HTTP port (default: the config's, else {DEFAULT_PORT})")
-    parser.add_argument("--host", help=f"HTTP host (default: the config's, else {DEFAULT_HOST})")
-    parser.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start a local one)")
-    parser.add_argument("--devices", type=int, default=2, help="virtual devices of a local Ray on a CPU host")
-    parser.add_argument("--policy", choices=POLICY_NAMES, help="scheduling policy")
-    parser.add_argument("--detach", action="store_true", help="return once deployed (the app keeps running "
-                        "in a cluster started with `ray start --head`)")
-    parser.set_defaults(run=run_serve)
-
-
-def run_serve(ns: argparse.Namespace) -> int:
-    from cluster.ray_runtime import connect_or_start
-
-    raw = load_config_args(ns.config) if ns.config else {"models": parse_models(ns.models)}
-    http = load_http_options(ns.config) if ns.config else {}
-    host, port = ns.host or http.get("host") or DEFAULT_HOST, ns.port or http.get("port") or DEFAULT_PORT
-    if ns.policy:
-        raw["policy"] = ns.policy
-    args = _parse_args(raw)
-    # Replica and worker logs reach this terminal with -v only (Serve logs every request).
-    runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices,
-                               log_to_driver=bool(getattr(ns, "verbose", False)))
-    if ns.detach and runtime.started_locally:
-        raise ValueError("--detach needs a running cluster to leave the app in (`ray start --head`, "
-                         "then --address auto); this process started its own Ray, which ends with it")
-    url = deploy(args, host, port)
-    print(f"tokenmux serving {', '.join(args.models)} at {url}  (OpenAI API: {url}/v1)", flush=True)
-    if ns.detach:
-        return 0
-    print("Ctrl-C to stop", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping", file=sys.stderr)
-    finally:
-        undeploy()
-        if runtime.started_locally:
-            import ray
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
-    return 0
-
-
 def configure_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else auto)")
     parser.add_argument("--app", default="tokenmux", help="Serve application name (default tokenmux)")
@@ -295,12 +255,22 @@ def configure_status(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run_status)
 
 
-def _join(address: str | None) -> None:
+def _join(address: str | None, verbose: bool = False) -> None:
+    """Connect to a running cluster; NothingRunning (one line) when there is none."""
     import os
 
     from cluster.ray_runtime import connect_or_start
+    from deploy.cli.console import NothingRunning, check_reachable, quiet_ray
 
-    connect_or_start(address or os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+    quiet_ray(verbose)
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address != "auto":
+        check_reachable(address)
+    try:
+        connect_or_start(address, log_to_driver=False)
+    except ConnectionError as e:   # "auto" found no Ray on this machine
+        where = "on this machine" if address == "auto" else f"at {address}"
+        raise NothingRunning(f"no Ray cluster is running {where} (`tokenmux serve` starts one)") from e
 
 
 def format_status(status: "ClusterStatus") -> str:
@@ -334,12 +304,18 @@ def format_status(status: "ClusterStatus") -> str:
 def run_status(ns: argparse.Namespace) -> int:
     import json
 
-    _join(ns.address)
-    if ns.watch:
-        from deploy.cli.status_watch import watch
+    from deploy.cli.console import NothingRunning
 
-        return watch(ns.app, ns.interval)
-    status = cluster_status(ns.app)
+    try:
+        _join(ns.address, bool(getattr(ns, "verbose", False)))
+        if ns.watch:
+            from deploy.cli.status_watch import watch
+
+            return watch(ns.app, ns.interval)
+        status = cluster_status(ns.app)
+    except NothingRunning as e:
+        print(f"tokenmux: nothing running: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(status.to_dict(), indent=2, default=str) if ns.json else format_status(status))
     return 0
 
@@ -351,7 +327,13 @@ def configure_shutdown(parser: argparse.ArgumentParser) -> None:
 
 
 def run_shutdown(ns: argparse.Namespace) -> int:
-    _join(ns.address)
+    from deploy.cli.console import NothingRunning
+
+    try:
+        _join(ns.address, bool(getattr(ns, "verbose", False)))
+    except NothingRunning as e:
+        print(f"nothing to shut down: {e}")
+        return 0
     removed = undeploy(ns.app, everywhere=True)
     print("removed: " + (", ".join(removed) if removed else "nothing (no tokenmux app or actors found)"))
     return 0

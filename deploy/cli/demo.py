@@ -1,8 +1,9 @@
 """`tokenmux demo`: the main job on the embedded default, end to end on this machine.
 
-Builds the zoo's tiny models if needed and serves two of them from ONE engine whose
-device budget holds a single model's weights, so every turn switches models between
-decode steps. Prints what each model wrote and how the engine spent its time.
+Builds the zoo's models if needed and serves the two trained ones (they write words, see
+load_tests/zoo_training.py) from ONE engine whose device budget holds a single model's
+weights, so every turn switches models between decode steps. Prints what each model wrote
+and how the engine spent its time; then the cluster part runs a bursty load over six models.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DEMO_MODELS = ("llama-tiny-a", "qwen2-tiny-b")
+DEMO_MODELS = ("llama-prose", "qwen2-prose")   # the embedded default of `tokenmux serve` too
 PROMPTS = ("Tell me about the river.", "Write a short note on caching.")
 
 
@@ -61,7 +62,7 @@ def engine_demo(models=DEMO_MODELS, max_tokens: int = 24, out=print) -> dict[str
     return texts
 
 
-DEMO_FLEET = ("llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a")
+DEMO_FLEET = ("llama-prose", "qwen2-prose", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "mistral-tiny-a")
 AZURE_CONV = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces" / "azure-llm-2023" / "conv.csv"
 
 

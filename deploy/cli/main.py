@@ -200,11 +200,11 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return run(args)
 
 
-# ---- serve / status / shutdown (deploy/commands.py) ------------------------------------
+# ---- serve / status / shutdown (deploy/cli/serve_command.py, deploy/cli/commands.py) ----
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
-    from deploy.cli.commands import configure_serve
+    from deploy.cli.serve_command import configure_serve
 
     configure_serve(parser)
 
@@ -256,6 +256,17 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
 }
 
 
+def _one_line(e: BaseException) -> str:
+    """pydantic's errors span lines (one per field, a URL); the first field's is the answer."""
+    errors = getattr(e, "errors", None)
+    if callable(errors) and type(e).__name__ == "ValidationError":
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg", e)).removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+    return " ".join(str(e).split())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Serve many LLMs on a pool of GPUs, token by token.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -275,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         if os.environ.get("TOKENMUX_DEBUG"):
             raise
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130

@@ -2,8 +2,11 @@
 
 Everything a client can get wrong is a 400 `invalid_request_error` naming the field
 (OpenAI returns 400 for invalid parameters; FastAPI's default 422 is replaced); an
-unknown model is a 404 `model_not_found` that lists the models served; a failure inside
-the engine is a 500 `server_error` (or, once a stream has started, an SSE error event).
+unknown model is a 404 `model_not_found` that lists the models served; a body above the
+server's limit is a 413 `request_too_large` (decided before it is parsed); a missing or
+wrong API key is a 401 (deploy/openai_api/auth.py); an overloaded model is a 429
+`rate_limit_exceeded` with Retry-After (deploy/openai_api/admission.py); a failure inside the engine is a 500
+`server_error` (or, once a stream has started, an SSE error event).
 """
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ def _is_type_tag(p: object) -> bool:
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers   # sent with the response (429: Retry-After)
         self.message = message
         self.type = type
         self.param = param
@@ -53,6 +57,12 @@ def model_not_found(model: str, available: list[str]) -> OpenAIError:
     listing = ", ".join(sorted(available)) or "(none)"
     return OpenAIError(404, f"The model '{model}' does not exist. Available models: {listing}",
                        param="model", code="model_not_found")
+
+
+def request_too_large(num_bytes: int, limit: int, at_least: bool = False) -> OpenAIError:
+    size = f"more than {limit}" if at_least else str(num_bytes)
+    return OpenAIError(413, f"The request body is {size} bytes, above this server's limit of {limit} bytes",
+                       code="request_too_large")
 
 
 def server_error(message: str) -> OpenAIError:

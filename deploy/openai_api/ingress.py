@@ -3,8 +3,13 @@
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (streaming as SSE `data: {...}` chunks ending in
 `data: [DONE]`, or one JSON response). Every error is in the OpenAI shape
-(`deploy/errors.py`). `OpenAIIngress` holds the logic without HTTP so the Serve
-deployment can expose the same stream to in-cluster callers (`generate_frames`).
+(`deploy/openai_api/errors.py`); a body above `max_body_bytes` is refused (413) before it
+is read in full; a model too busy to start a request in time refuses it (429 with
+Retry-After, `admission.py`) while every accepted one runs to its end or to a clear error
+(`stall_timeout_s` without output stops it); with API keys set, every route but /health needs one (`auth.py`). The
+OpenAPI spec (/openapi.json) carries the request schemas and error responses
+(`openapi.py`). `OpenAIIngress` holds the logic without HTTP so the Serve deployment can
+expose the same stream to in-cluster callers (`generate_frames`).
 """
 from __future__ import annotations
 
@@ -20,10 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy.openai_api.admission import Admission, Ticket
+from deploy.openai_api.auth import APIKeyMiddleware
 from deploy.openai_api.engine_protocol import EngineClient
-from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, server_error
+from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, request_too_large, server_error
 from deploy.openai_api.config import IngressConfig
-from deploy.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from deploy.openai_api.openapi import add_request_schemas, error_responses, generate_route
+from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                        CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
 from deploy.openai_api.request_builder import build_generate_request
 from scheduler.messages import GenerateRequest
@@ -41,6 +50,7 @@ class OpenAIIngress:
     def __init__(self, engine: EngineClient, config: IngressConfig | None = None) -> None:
         self.engine = engine
         self.config = config or IngressConfig()
+        self.admission = Admission(self.config.admission)
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
@@ -58,6 +68,15 @@ class OpenAIIngress:
         gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
         return parsed, gen_req
 
+    def admit(self, gen_req: GenerateRequest) -> Ticket:
+        """Accept the request (its ticket goes with its frames) or raise a 429."""
+        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s)
+
+    def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
+        """The accepted request's stream chunks (OpenAIError 429 if it is not accepted)."""
+        return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req),
+                             self.config.stall_timeout_s)
+
     async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
         """Entry point for in-cluster callers (a Serve handle with stream=True).
 
@@ -74,10 +93,11 @@ class OpenAIIngress:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
             _, gen_req = await self.prepare(endpoint, json.dumps(body))
+            chunks = self.chunks(gen_req, endpoint, include_usage=True)
         except OpenAIError as e:
             yield {**e.to_dict(), "status": e.status}
             return
-        async for chunk in stream_chunks(self.engine, gen_req, endpoint, include_usage=True):
+        async for chunk in chunks:
             yield chunk
 
 
@@ -86,15 +106,34 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed `max_bytes` (from
+    Content-Length before reading anything, else while the chunks arrive)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise invalid(f"Content-Length must be a number of bytes, got {length!r}")
+        if int(length) > max_bytes:
+            raise request_too_large(int(length), max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise request_too_large(size, max_bytes, at_least=True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
-    parsed, gen_req = await ingress.prepare(endpoint, await request.body())
+    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
-        chunks = stream_chunks(ingress.engine, gen_req, endpoint, include_usage)
+        chunks = ingress.chunks(gen_req, endpoint, include_usage)
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
+    ticket = ingress.admit(gen_req)
     result: dict | None = None
     failure: OpenAIError | None = None
     async with anyio.create_task_group() as tg:
@@ -104,7 +143,7 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
 
         tg.start_soon(watch)
         try:
-            result = await collect_response(ingress.engine, gen_req, endpoint)
+            result = await collect_response(ingress.engine, gen_req, endpoint, ticket, ingress.config.stall_timeout_s)
         except OpenAIError as e:  # raised out of the group it would come wrapped in an ExceptionGroup
             failure = e
         tg.cancel_scope.cancel()
@@ -116,18 +155,34 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
     return JSONResponse(result, headers={"X-Request-Id": gen_req.request_id})
 
 
-def _error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+async def _health(engine: EngineClient) -> JSONResponse:
+    """200 while some model can be served (`unservable` lists the others), 503 when none can
+    (no live worker, or the router is gone): a load balancer then sends traffic elsewhere.
+    An engine without `servable_models` (no cluster behind it) is always healthy."""
+    served = sorted(m.name for m in engine.models())
+    check = getattr(engine, "servable_models", None)
+    servable = served if check is None else [m for m in await check() if m in served]
+    unservable = [m for m in served if m not in servable]
+    ok = bool(servable)
+    body = {"status": "ok" if ok else "unavailable", "num_models": len(served), "unservable": unservable}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _error_response(e: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
 def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None) -> FastAPI:
     ingress = OpenAIIngress(engine, config)
     app = FastAPI(title="tokenmux", summary="OpenAI-compatible API over a token-level multiplexed GPU pool")
     app.state.ingress = ingress
+    if ingress.config.api_keys:
+        app.add_middleware(APIKeyMiddleware, digests=ingress.config.api_keys)
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
-        return _error_response(e)
+        return _error_response(e, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -135,26 +190,27 @@ def build_ingress_app(engine: EngineClient, config: IngressConfig | None = None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(e.status_code, str(e.detail)))
+        return _error_response(OpenAIError(e.status_code, str(e.detail)), headers=e.headers)   # 405: Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error in the ingress")
         return _error_response(server_error(f"internal error: {type(e).__name__}"))
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "num_models": len(engine.models())}
+    @app.get("/health", responses={503: {"description": "No model can be served now"}})
+    async def health() -> Response:
+        return await _health(engine)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict:
         return ingress.list_models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **generate_route(CompletionRequest, CompletionResponse, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await _respond(ingress, "completions", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              **generate_route(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await _respond(ingress, "chat.completions", request)
 

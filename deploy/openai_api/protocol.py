@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from scheduler.sampling_params import MAX_SEED, MIN_SEED
+from scheduler.slo import MAX_SLO_S, MIN_SLO_S
+from scheduler.validation import check_real
 
 # ---------------------------------------------------------------- requests
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: JSON's NaN / Infinity extensions are refused for every float.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -29,25 +34,32 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # Ranges are OpenAI's where it documents one; request_builder.py checks the rest.
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     user: str | None = None  # accepted and ignored, as an opaque end-user id
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     # tokenmux extensions
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: no top-k cut")
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    ttft_slo_s: float | None = None
-    tbt_slo_s: float | None = None
+    ttft_slo_s: float | None = Field(None, ge=MIN_SLO_S, le=MAX_SLO_S, description="time to first token, seconds")
+    tbt_slo_s: float | None = Field(None, ge=MIN_SLO_S, le=MAX_SLO_S, description="time between tokens, seconds")
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _normal(cls, value: float | None, info) -> float | None:
+        # A denormal (1e-40) passes the range checks but overflows once logits are divided by it.
+        return None if value is None else check_real(info.field_name, value)
 
 
 class CompletionRequest(_SamplingFields):

@@ -122,7 +122,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
             max_tokens=max_tokens,
             temperature=config.default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            top_k=max(req.top_k or 0, 0),   # -1 is "off" too, as in vLLM
             seed=req.seed,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop=tuple(stop),
@@ -137,7 +137,8 @@ def _slo(req: CompletionRequest | ChatCompletionRequest, config: IngressConfig) 
         return SLO(ttft_s=config.default_slo.ttft_s if req.ttft_slo_s is None else req.ttft_slo_s,
                    tbt_s=config.default_slo.tbt_s if req.tbt_slo_s is None else req.tbt_slo_s)
     except ValueError as e:
-        raise invalid(str(e).replace("ttft_s", "ttft_slo_s").replace("tbt_s", "tbt_slo_s")) from e
+        message = str(e).replace("ttft_s", "ttft_slo_s").replace("tbt_s", "tbt_slo_s")
+        raise invalid(message, param=message.split(" ", 1)[0]) from e
 
 
 def build_generate_request(engine: EngineClient, config: IngressConfig, request_id: str,

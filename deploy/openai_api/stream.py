@@ -5,23 +5,27 @@ token ids and per-token times under the `tokenmux` key. With
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage`.
 A failure in the engine becomes an `{"error": ...}` chunk ending the stream, never an
 exception through the HTTP layer. If the consumer goes away before the last frame
-(client disconnect, cancelled task, closed generator) the engine is told to abort.
+(client disconnect, cancelled task, closed generator) the engine is told to abort. A
+request that gets no frame for `stall_timeout_s` (a wedged worker, a lost reply) is
+aborted and ends with an error saying so; its admission ticket is released at the end.
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+from contextlib import aclosing
 from typing import AsyncIterator, Literal
 
 import anyio
 
+from deploy.openai_api.admission import Ticket
 from deploy.openai_api.engine_protocol import EngineClient
 from deploy.openai_api.errors import OpenAIError, server_error
 from deploy.openai_api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                     ChatDelta, ChatResponseMessage, CompletionChoice, CompletionResponse,
                                     TokenmuxExtension, Usage)
-from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +38,40 @@ def sse_event(data: dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def engine_frames(engine: EngineClient, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
-    """The request's frames up to and including the finished one; aborts if left early."""
+def stalled(req: GenerateRequest, stall_timeout_s: float) -> OutputFrame:
+    return OutputFrame(req.request_id, finish_reason=FINISH_ERROR,
+                       error=f"timed out: no output for {stall_timeout_s:g} s, so tokenmux stopped the request "
+                             f"(the ingress's stall_timeout_s)")
+
+
+async def engine_frames(engine: EngineClient, req: GenerateRequest, ticket: Ticket | None = None,
+                        stall_timeout_s: float | None = None) -> AsyncIterator[OutputFrame]:
+    """The request's frames up to and including the finished one; aborts if left early or
+    when no frame comes for `stall_timeout_s` (then the last frame is that error)."""
     frames = engine.generate(req)
+    it = frames.__aiter__()
     finished = False
     try:
-        async for frame in frames:
+        while True:
+            frame = None
+            with anyio.move_on_after(stall_timeout_s):   # None: wait for ever
+                try:
+                    frame = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+            if frame is None:   # the deadline passed: abort below, tell the client
+                logger.warning("request %s: no output for %g s, stopping it", req.request_id, stall_timeout_s)
+                yield stalled(req, stall_timeout_s)
+                break
+            if ticket is not None:
+                ticket.first_token()
             finished = frame.finished
             yield frame
             if finished:
                 break
     finally:
+        if ticket is not None:
+            ticket.release()
         # Shielded: under a cancelled anyio scope (Starlette on disconnect) any await
         # would be cancelled again before the abort reaches the engine.
         with anyio.CancelScope(shield=True):
@@ -71,28 +98,33 @@ def _error_chunk(message: str) -> dict:
 
 
 async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint,
-                        include_usage: bool = False) -> AsyncIterator[dict]:
+                        include_usage: bool = False, ticket: Ticket | None = None,
+                        stall_timeout_s: float | None = None) -> AsyncIterator[dict]:
     """OpenAI stream chunks as dicts (the SSE payloads, without `[DONE]`)."""
     created = int(time.time())
     num_completion_tokens = 0
     first = True
     finish_reason = None
     try:
-        async for frame in engine_frames(engine, req):
-            finish_reason = frame.finish_reason
-            if frame.error is not None:
-                yield _error_chunk(f"generation failed: {frame.error}")
-                return
-            num_completion_tokens += len(frame.token_ids)
-            if endpoint == "completions":
-                chunk = CompletionResponse(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
-                                           choices=[CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)])
-            else:
-                delta = ChatDelta(role="assistant" if first else None, content=frame.text)
-                chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model, tokenmux=_ext(frame),
-                                            choices=[ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)])
-            first = False
-            yield chunk.model_dump()
+        # aclosing: the frames' cleanup (abort, ticket) is done before the stream's end is sent
+        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
+            async for frame in frames:
+                finish_reason = frame.finish_reason
+                if frame.error is not None:
+                    yield _error_chunk(f"generation failed: {frame.error}")
+                    return
+                num_completion_tokens += len(frame.token_ids)
+                if endpoint == "completions":
+                    choice = CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)
+                    chunk = CompletionResponse(id=req.request_id, created=created, model=req.model,
+                                               tokenmux=_ext(frame), choices=[choice])
+                else:
+                    delta = ChatDelta(role="assistant" if first else None, content=frame.text)
+                    choice = ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)
+                    chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model,
+                                                tokenmux=_ext(frame), choices=[choice])
+                first = False
+                yield chunk.model_dump()
     except Exception as e:  # an engine failure is a value in the stream
         logger.exception("request %s failed in the engine", req.request_id)
         yield _error_chunk(f"generation failed: {e}")
@@ -112,20 +144,22 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield SSE_DONE
 
 
-async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint) -> dict:
+async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint,
+                           ticket: Ticket | None = None, stall_timeout_s: float | None = None) -> dict:
     """The whole (non-streaming) response; raises a 500 OpenAIError if the engine fails."""
     text: list[str] = []
     ext = TokenmuxExtension()
     finish_reason = None
     try:
-        async for frame in engine_frames(engine, req):
-            if frame.error is not None:
-                raise server_error(f"generation failed: {frame.error}")
-            text.append(frame.text)
-            ext.token_ids.extend(frame.token_ids)
-            ext.token_times.extend(frame.token_times)
-            ext.worker_id = frame.worker_id or ext.worker_id
-            finish_reason = frame.finish_reason
+        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
+            async for frame in frames:
+                if frame.error is not None:
+                    raise server_error(f"generation failed: {frame.error}")
+                text.append(frame.text)
+                ext.token_ids.extend(frame.token_ids)
+                ext.token_times.extend(frame.token_times)
+                ext.worker_id = frame.worker_id or ext.worker_id
+                finish_reason = frame.finish_reason
     except OpenAIError:
         raise
     except Exception as e:

@@ -25,13 +25,15 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from deploy.serve_app.app_args import AppArgs, parse_app_args, resolve_model_sources
+from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
 from scheduler.messages import ClusterStatus
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "tokenmux"
 CLUSTER_DEPLOYMENT = "TokenmuxCluster"
+# Ingress places kept free of generation (Serve would queue beyond max_ongoing_requests, unbounded).
+RESERVED_INGRESS_SLOTS = 8
 
 
 def _kill_stale_topology() -> None:
@@ -70,6 +72,7 @@ class TokenmuxCluster:
         self.args = parse_app_args(args)
         self._topology = None
         self._models = await asyncio.to_thread(resolve_model_sources, self.args.models)
+        check_local_sources(self._models)   # one line naming path and cause, before any worker starts
         config = topology_config(self.args, self._models)
         await asyncio.to_thread(_kill_stale_topology)
         self._topology = await asyncio.to_thread(bring_up, config)
@@ -109,6 +112,7 @@ class TokenmuxIngress:
     async def __init__(self, args: dict, cluster: Any) -> None:
         from deploy.serve_app.cluster_engine import ClusterEngineClient, model_infos
         from deploy.serve_app.metered_engine import MeteredEngineClient
+        from deploy.openai_api.admission import AdmissionConfig
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
@@ -121,7 +125,11 @@ class TokenmuxIngress:
                                                               router_source=self._fresh_router))
         self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
                                     default_max_tokens=self.args.default_max_tokens,
-                                    default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s))
+                                    default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s),
+                                    max_body_bytes=self.args.max_body_bytes,
+                                    api_keys=api_keys(self.args),
+                                    admission=admission_config(self.args),
+                                    stall_timeout_s=self.args.stall_timeout_s)
         self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
         self.core = self._openai_app.state.ingress
 
@@ -142,6 +150,28 @@ class TokenmuxIngress:
         return await self.cluster.status.remote()
 
 
+def admission_config(args: AppArgs) -> "AdmissionConfig":
+    """Admission of one ingress replica. Serve queues what exceeds max_ongoing_requests before
+    our code sees it (without a bound), so the edge refuses a little earlier: a few places stay
+    for /health, /v1/models and the 429s themselves."""
+    from deploy.openai_api.admission import AdmissionConfig
+
+    return AdmissionConfig(max_waiting=args.max_waiting_per_model, ttft_slo_multiple=args.ttft_slo_multiple,
+                           max_active=max(1, args.max_ongoing_requests - RESERVED_INGRESS_SLOTS))
+
+
+def api_keys(args: AppArgs) -> tuple[str, ...]:
+    """The keys the HTTP edge takes: the args' and $TOKENMUX_API_KEYS (set on the nodes, e.g.
+    from a Kubernetes Secret); ValueError when `require_api_key` finds none."""
+    from deploy.openai_api.auth import ENV_VAR, key_digests, keys_from_env
+
+    keys = key_digests([*args.api_keys, *keys_from_env()])
+    if args.require_api_key and not keys:
+        raise ValueError(f"require_api_key is set but no API key was given: set api_keys in the app args "
+                         f"or ${ENV_VAR} on every node")
+    return keys
+
+
 def build_app(args: "dict | AppArgs") -> serve.Application:
     """The Serve application for `args` (see deploy/app_args.py); nothing starts until deployed."""
     parsed = parse_app_args(args)
@@ -155,4 +185,6 @@ def build_app(args: "dict | AppArgs") -> serve.Application:
     return ingress.bind(plain, cluster)
 
 
-__all__ = ["APP_NAME", "CLUSTER_DEPLOYMENT", "TokenmuxCluster", "TokenmuxIngress", "build_app", "topology_config"]
+__all__ = ["APP_NAME", "CLUSTER_DEPLOYMENT", "TokenmuxCluster", "TokenmuxIngress", "admission_config", "api_keys",
+           "build_app",
+           "topology_config"]

@@ -9,9 +9,14 @@
       policy: token            # token | request | dedicated (scheduler/policy_registry.py)
       scheduler: {quota_max_s: 4.0, quota_switch_factor: 8.0}   # SchedulerConfig fields; omitted: its defaults
       devices_per_node: 2      # virtual devices per node on CPU hosts (omit on GPUs)
+      api_keys: [sha256:...]   # HTTP needs one of these keys (or $TOKENMUX_API_KEYS); digests or keys
+      require_api_key: true    # refuse to start without one (a config that listens beyond loopback)
+      max_waiting_per_model: 256   # then 429 + Retry-After; also when predicted TTFT > ttft_slo_multiple x SLO
 
 A model is a local checkpoint directory, or `zoo:NAME` for a model of the offline zoo
-(built on first use). Unknown keys are refused, and every error names its field.
+(built on first use). Unknown keys are refused, and every error names its field. API keys
+are held as `sha256:<hex>` digests from parsing on (deploy/openai_api/auth.py), so the
+args Serve stores and shows carry no key.
 """
 from __future__ import annotations
 
@@ -19,10 +24,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deploy.openai_api.auth import key_digests
+from deploy.openai_api.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from scheduler.policy import SchedulerConfig
 from scheduler.policy_registry import check_policy_name
 
 ZOO_PREFIX = "zoo:"
+# What a checkpoint directory needs besides config.json and weights (ModelSpec checks those).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_BUDGET_BYTES = 256 * MiB
@@ -73,6 +82,21 @@ class AppArgs(BaseModel):
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica")
     max_ongoing_requests: int = Field(256, ge=1, description="per ingress replica (Serve's default is 5)")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
+    api_keys: list[str] = Field(default_factory=list, description="HTTP API keys, or sha256:<hex> digests of them")
+    require_api_key: bool = Field(False, description="refuse to start unless api_keys or $TOKENMUX_API_KEYS "
+                                                     "give a key")
+    max_waiting_per_model: int = Field(256, ge=1, description="per ingress replica: requests waiting for their "
+                                                               "first token; more get a 429")
+    ttft_slo_multiple: float = Field(2.0, ge=0, allow_inf_nan=False,
+                                     description="429 when the predicted TTFT exceeds this x the TTFT SLO (0: off)")
+    stall_timeout_s: float = Field(DEFAULT_STALL_TIMEOUT_S, gt=0, allow_inf_nan=False,
+                                   description="a request with no output for this long fails with an error")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _hash_keys(cls, keys: list[str]) -> list[str]:
+        return list(key_digests(keys))
 
     @field_validator("models")
     @classmethod
@@ -155,3 +179,22 @@ def resolve_model_sources(models: dict[str, str], progress=None) -> dict[str, st
         else:
             resolved[name] = source
     return resolved
+
+
+def check_local_sources(models: dict[str, str]) -> None:
+    """Fail in one line naming the model, the path and the cause when a checkpoint dir in
+    `models` is not servable from this machine (zoo models are built, not checked)."""
+    from pathlib import Path
+
+    from actors.model_spec import CheckpointError, ModelSpec
+
+    for name, source in models.items():
+        if source.startswith(ZOO_PREFIX):
+            continue
+        try:
+            ModelSpec.from_dir(source)
+        except CheckpointError as e:
+            raise CheckpointError(f"model {name!r}: {e}") from None
+        if not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+            raise CheckpointError(f"model {name!r}: not a model checkpoint: {source} "
+                                  f"(no tokenizer: none of {', '.join(TOKENIZER_FILES)})")

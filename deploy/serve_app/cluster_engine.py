@@ -17,6 +17,7 @@ Never `ray.get` here: everything is awaited on the ingress's event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -73,15 +74,30 @@ class ClusterEngineClient:
         if stream is not None:
             stream.cancel()  # non-blocking: the worker's generator gets CancelledError and aborts
 
-    async def _pick(self, model: str, slo: SLO) -> tuple[str, Any]:
+    async def _router_call(self, method: str, *args: Any) -> Any:
         try:
-            return await self.router.pick.remote(model, slo)
+            return await getattr(self.router, method).remote(*args)
         except _WORKER_GONE:
             if self._router_source is None:
                 raise
             logger.warning("the router is gone; asking for the current one")
             self.router = await self._router_source()
-            return await self.router.pick.remote(model, slo)
+            return await getattr(self.router, method).remote(*args)
+
+    async def _pick(self, model: str, slo: SLO) -> tuple[str, Any]:
+        return await self._router_call("pick", model, slo)
+
+    async def servable_models(self, timeout_s: float = 5.0) -> list[str]:
+        """The served models some live worker can take now (for /health); none when the router
+        does not answer within `timeout_s`."""
+        try:
+            status = await asyncio.wait_for(self._router_call("status"), timeout_s)
+        except Exception as exc:   # the router is gone or wedged: nothing is known to serve
+            logger.warning("health: the router did not answer: %s", _cause(exc))
+            return []
+        live = [v for v in status.workers.values() if v.alive]   # a RouterStatus
+        registered = set().union(*(v.registered for v in live)) if live else set()
+        return sorted(registered & set(self._models))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
         tried: list[str] = []

@@ -1,0 +1,133 @@
+"""Fuzz the HTTP edge of a live tokenmux server (loopback), as an adversarial client would.
+
+    fuzz_5xx(url)               -> {"fuzz_cases", "fuzz_5xx", "fuzz_5xx_examples"}
+    poison_collateral(url, m)   -> {"poison_requests", "poison_accepted", "poison_5xx", "poison_collateral", ...}
+
+`fuzz_5xx` is a bounded schemathesis run over the server's own OpenAPI spec: requests that
+fit the spec and requests that break it, for every operation; any 5xx is a bug (bad input
+must get a 4xx naming the problem). `poison_collateral` sends requests carrying NaN, inf,
+denormal and huge numbers in every numeric field while innocent greedy streams run on the
+same workers, and counts the innocents whose output differs from an undisturbed run or
+that fail: one bad request must fail only itself. Both are deterministic for a seed.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+
+NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty",
+                  "frequency_penalty", "ttft_slo_s", "tbt_slo_s")
+# JSON literals: NaN / Infinity are what Python's json and many clients emit for non-finite floats.
+BAD_NUMBERS = ("NaN", "Infinity", "-Infinity", "1e308", "-1e308", "1e-40", "5e-324", "1e30",
+               str(2**63), str(-(2**63) - 1), str(10**40), "0", "-1")
+
+
+def fuzz_5xx(url: str, headers: dict[str, str] | None = None, max_examples: int = 25, seed: int = 0,
+             timeout_s: float = 60.0) -> dict:
+    """A bounded schemathesis run over `url`/openapi.json: cases that fit the spec and
+    cases that break it, `max_examples` of each per operation; returns how many got a 5xx.
+    Half the bodies that name a model are pointed at a served one, so the fuzz reaches
+    tokenisation, limits and the engine rather than stopping at the unknown-model 404.
+    (Cases are sent with httpx: schemathesis' own requests transport is not used.)"""
+    import httpx
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.errors import Unsatisfiable
+
+    headers = dict(headers or {})
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=headers, timeout=timeout_s)
+    cases, failures = [0], []
+    with httpx.Client(timeout=timeout_s) as client:
+        served = [m["id"] for m in client.get(f"{url}/v1/models", headers=headers).json()["data"]]
+        rng = random.Random(seed)
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
+                @hypothesis_seed(seed)
+                @settings(max_examples=max_examples, deadline=None, database=None,
+                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+                @given(case=operation.as_strategy(generation_mode=mode))
+                def run(case) -> None:
+                    kwargs = case.as_transport_kwargs(base_url=url, headers=headers)
+                    body = kwargs.get("json")
+                    if isinstance(body, dict) and "model" in body and served and rng.random() < 0.5:
+                        body["model"] = rng.choice(served)
+                    response = client.request(kwargs["method"], kwargs["url"], headers=kwargs.get("headers"),
+                                              params=kwargs.get("params"), json=body,
+                                              content=kwargs.get("data"))
+                    cases[0] += 1
+                    if response.status_code >= 500:
+                        failures.append({"operation": operation.label, "status": response.status_code,
+                                         "body": body if body is not None else kwargs.get("data"),
+                                         "response": response.text[:300]})
+
+                try:
+                    run()
+                except Unsatisfiable:   # nothing breaks the spec of an operation without parameters
+                    continue
+    return {"fuzz_cases": cases[0], "fuzz_5xx": len(failures), "fuzz_5xx_examples": failures[:5]}
+
+
+def poison_bodies(model: str, seed: int = 0, limit: int | None = None) -> list[str]:
+    """Raw JSON bodies, each with one bad number in one field (or a few at once)."""
+    bodies = []
+    for field, bad in itertools.product(NUMERIC_FIELDS, BAD_NUMBERS):
+        bodies.append('{"model": %s, "prompt": "poison", "max_tokens": 4, "%s": %s}'
+                      % (json.dumps(model), field, bad))
+    rng = random.Random(seed)
+    for _ in range(len(NUMERIC_FIELDS)):
+        fields = rng.sample(NUMERIC_FIELDS, 3)
+        parts = ", ".join(f'"{f}": {rng.choice(BAD_NUMBERS)}' for f in fields)
+        bodies.append('{"model": %s, "prompt": "poison", %s}' % (json.dumps(model), parts))
+    rng.shuffle(bodies)
+    return bodies[:limit]
+
+
+async def poison_collateral(url: str, model: str, headers: dict[str, str] | None = None, num_innocent: int = 8,
+                            max_tokens: int = 24, poisons: list[str] | None = None, seed: int = 0,
+                            timeout_s: float = 120.0) -> dict:
+    """Innocent greedy streams alone, then again with `poisons` (raw JSON bodies) sent among them."""
+    import httpx
+
+    headers = {"content-type": "application/json", **(headers or {})}
+    poisons = poison_bodies(model, seed) if poisons is None else poisons
+    innocents = [{"model": model, "prompt": f"Innocent request number {i}.", "max_tokens": max_tokens,
+                  "temperature": 0, "ignore_eos": True, "stream": True} for i in range(num_innocent)]
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s) as client:
+        undisturbed = await asyncio.gather(*[_stream_ids(client, body) for body in innocents])
+        results = await asyncio.gather(*[_stream_ids(client, body) for body in innocents],
+                                       *[_post_raw(client, body) for body in poisons])
+    disturbed, statuses = results[:num_innocent], results[num_innocent:]
+    collateral = sum(d != u or d is None for d, u in zip(disturbed, undisturbed))
+    return {"poison_requests": len(poisons),
+            "poison_accepted": sum(s == 200 for s in statuses),
+            "poison_5xx": sum(s >= 500 for s in statuses),
+            "poison_collateral": collateral,
+            "innocent_requests": num_innocent,
+            "innocent_undisturbed_ok": all(u is not None and len(u) == max_tokens for u in undisturbed)}
+
+
+async def _stream_ids(client, body: dict) -> list[int] | None:
+    """Token ids of one streamed completion; None when it failed."""
+    ids: list[int] = []
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return None
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                return None
+            ids += chunk.get("tokenmux", {}).get("token_ids", [])
+    return ids
+
+
+async def _post_raw(client, body: str) -> int:
+    resp = await client.post("/v1/completions", content=body.encode())
+    return resp.status_code
+

@@ -1,0 +1,182 @@
+"""Admission control and the stall deadline at the HTTP edge, as a client meets them: 429s in
+OpenAI's shape with Retry-After when a model is over its bounds, every accepted request
+completes, and a request whose engine goes quiet fails with a clear error and is aborted."""
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from deploy.openai_api.admission import Admission, AdmissionConfig
+from deploy.openai_api.config import IngressConfig
+from deploy.openai_api.errors import OpenAIError
+from deploy.openai_api.ingress import OpenAIIngress
+from edge_helpers import MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine, running_server
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refusal(admission: Admission, model: str = MODEL, ttft_slo_s: float = 1.0) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        admission.admit(model, ttft_slo_s)
+    e = info.value
+    assert e.status == 429 and e.to_dict()["error"]["code"] == "rate_limit_exceeded"
+    assert e.to_dict()["error"]["type"] == "requests"
+    assert int(e.headers["Retry-After"]) >= 1
+    return e
+
+
+def test_a_model_with_max_waiting_requests_refuses_more_and_others_still_start():
+    admission = Admission(AdmissionConfig(max_waiting=3, max_active=5, ttft_slo_multiple=0))
+    tickets = [admission.admit(MODEL, 1.0) for _ in range(3)]
+    assert "3 requests waiting" in refusal(admission).message
+    other = admission.admit(OTHER_MODEL, 1.0)            # another model's queue is its own
+    tickets[0].first_token()                             # started: its waiting place frees
+    tickets.append(admission.admit(MODEL, 1.0))
+    assert admission.active == 5
+    assert "limit of 5 requests in flight" in refusal(admission, OTHER_MODEL).message
+    for t in [*tickets, other]:
+        t.release()
+        t.release()                                      # idempotent
+    assert admission.active == 0 and admission.waiting(MODEL) == 0
+
+
+def test_a_request_predicted_to_start_past_twice_its_ttft_slo_is_refused_with_the_wait():
+    clock = Clock()
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0), clock=clock)
+    queue = [admission.admit(MODEL, 1.0) for _ in range(6)]
+    for _ in range(5):                                   # a standing queue serves 2 first tokens / s
+        clock.now += 0.5
+        queue.pop(0).first_token()
+    assert admission.predicted_ttft_s(MODEL) == pytest.approx(1.0)   # (1 waiting + 1) / 2 per s
+    queue += [admission.admit(MODEL, 1.0) for _ in range(3)]          # 4 waiting: the last at (3 + 1) / 2 = 2 s
+    e = refusal(admission)                                            # (4 + 1) / 2 = 2.5 s > 2 x 1 s
+    assert "about 2.5 s" in e.message and "2 x its TTFT SLO of 1 s" in e.message
+    assert e.headers["Retry-After"] == "1"                            # 0.5 s over, rounded up
+    assert admission.admit(MODEL, 5.0) is not None       # a request with a looser SLO still fits
+    assert admission.rejected == 1
+
+
+def test_an_idle_gap_is_not_taken_for_a_slow_server():
+    clock = Clock()
+    admission = Admission(AdmissionConfig(max_waiting=1000), clock=clock)
+    for _ in range(3):                                   # bursts of 6, each drained at 10 / s, then idle
+        burst = [admission.admit(MODEL, 0.5) for _ in range(6)]
+        for t in burst:
+            clock.now += 0.1
+            t.first_token()
+            t.release()
+        clock.now += 60.0
+    assert admission.predicted_ttft_s(MODEL) == pytest.approx(0.1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "first", "release"]), st.sampled_from([MODEL, OTHER_MODEL]),
+                          st.integers(0, 20)), max_size=80))
+def test_counts_stay_within_bounds_and_return_to_zero(ops):
+    clock = Clock()
+    config = AdmissionConfig(max_waiting=4, max_active=6)
+    admission = Admission(config, clock=clock)
+    tickets = {MODEL: [], OTHER_MODEL: []}
+    for op, model, pick in ops:
+        clock.now += 0.01
+        live = tickets[model]
+        if op == "admit":
+            try:
+                live.append(admission.admit(model, 1.0))
+            except OpenAIError as e:
+                assert e.status == 429
+        elif live:
+            t = live[pick % len(live)]
+            if op == "first":
+                t.first_token()
+            else:
+                t.release()
+                live.remove(t)
+        assert admission.active <= config.max_active
+        assert all(0 <= admission.waiting(m) <= config.max_waiting for m in tickets)
+    for live in tickets.values():
+        for t in live:
+            t.release()
+    assert admission.active == 0 and admission.waiting(MODEL) == admission.waiting(OTHER_MODEL) == 0
+
+
+def _post(base_url: str, body: dict) -> tuple[int, dict, str]:
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        if not body.get("stream"):
+            resp = client.post("/v1/completions", json=body)
+            return resp.status_code, dict(resp.headers), resp.text
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            return resp.status_code, dict(resp.headers), "".join(resp.iter_text())
+
+
+def test_over_capacity_some_get_429_with_retry_after_and_every_accepted_request_completes():
+    engine = make_engine(tokens_per_frame=2, frame_interval_s=1.5)   # the first token 1.5 s after arrival
+    config = IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16,
+                           admission=AdmissionConfig(max_waiting=4, ttft_slo_multiple=0))
+    tok = engine.tokenizer(MODEL)
+    prompt = "admission keeps a bounded queue"
+    _, text = expected_output(tok, tok.encode(prompt), 6)
+    bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": 6, "stream": i % 2 == 1} for i in range(16)]
+    with running_server(engine, config) as base_url, ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda b: _post(base_url, b), bodies))
+        refused = [(h, json.loads(t)) for s, h, t in results if s == 429]
+        accepted = [(b, t) for b, (s, _, t) in zip(bodies, results) if s == 200]
+        assert len(refused) + len(accepted) == len(bodies)
+        assert refused and len(accepted) >= 4
+        for headers, body in refused:
+            assert int(headers["retry-after"]) >= 1
+            assert body["error"]["code"] == "rate_limit_exceeded" and "waiting" in body["error"]["message"]
+        for body, raw in accepted:   # nothing accepted is lost or cut
+            if body["stream"]:
+                chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+                assert "".join(c["choices"][0]["text"] for c in chunks) == text and raw.rstrip().endswith("[DONE]")
+            else:
+                assert json.loads(raw)["choices"][0]["text"] == text
+        # Every place was given back: a full queue's worth is accepted again.
+        again = list(pool.map(lambda b: _post(base_url, b), bodies[:4]))
+        assert [s for s, _, _ in again] == [200] * 4
+
+
+def test_a_request_whose_engine_goes_quiet_fails_with_a_clear_error_and_is_aborted():
+    engine = make_engine(frame_interval_s=30.0)   # never produces within the test
+    config = IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16, stall_timeout_s=0.5)
+    with running_server(engine, config) as base_url, httpx.Client(base_url=base_url, timeout=20) as client:
+        resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert resp.status_code == 500
+        error = resp.json()["error"]
+        assert "timed out" in error["message"] and "0.5 s" in error["message"]
+        with client.stream("POST", "/v1/chat/completions",
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 "stream": True}) as stream:
+            assert stream.status_code == 200
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and "timed out" in json.loads(lines[-2][6:])["error"]["message"]
+        assert {r.request_id for r in engine.seen} <= engine.aborted   # the engine was told to stop both
+
+
+def test_in_cluster_callers_get_the_429_as_an_error_chunk():
+    engine = make_engine(frame_interval_s=2.0)
+    ingress = OpenAIIngress(engine, IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16,
+                                                  admission=AdmissionConfig(max_waiting=1, ttft_slo_multiple=0)))
+
+    async def run() -> list[list[dict]]:
+        async def collect() -> list[dict]:
+            return [c async for c in ingress.generate_frames(
+                {"endpoint": "completions", "body": {"model": MODEL, "prompt": "x", "max_tokens": 2}})]
+        return await asyncio.gather(collect(), collect())
+
+    served, refused = sorted(asyncio.run(run()), key=lambda chunks: "error" in chunks[0])   # either may win
+    assert served[-1]["usage"]["completion_tokens"] == 2
+    [error] = refused
+    assert error["status"] == 429 and error["error"]["code"] == "rate_limit_exceeded"

@@ -1,0 +1,129 @@
+"""First use of the `tokenmux` command, as a new operator meets it: a bad model path fails
+in one line before Ray starts, `status`/`shutdown` with nothing running say so in one line,
+a public host needs an API key, and a bare `tokenmux serve` serves the embedded default
+(two zoo models that write words) with no Ray log lines, on loopback only, and stops
+cleanly on SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def _tokenmux(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli.main", *args], capture_output=True, text=True,
+                          cwd=REPO, env=_env(**env), timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_a_bad_model_path_fails_in_one_line_before_ray_starts(tmp_path):
+    start = time.monotonic()
+    missing = _tokenmux("serve", "--models", str(tmp_path / "no-such-ckpt"))
+    assert missing.returncode == 2
+    line = _one_error_line(missing)
+    assert str(tmp_path / "no-such-ckpt") in line and "no such directory" in line
+
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    half = _tokenmux("serve", "--models", f"mine={tmp_path / 'half'}")
+    line = _one_error_line(half)
+    assert half.returncode == 2 and "'mine'" in line and str(tmp_path / "half") in line
+    assert time.monotonic() - start < 30   # no Ray was started for either
+
+
+def test_status_and_shutdown_with_nothing_running_say_so_in_one_line():
+    address = f"127.0.0.1:{_free_port()}"
+    status = _tokenmux("status", "--address", address)
+    assert status.returncode == 1 and "nothing running" in _one_error_line(status) and address in status.stderr
+    shutdown = _tokenmux("shutdown", "--address", address)
+    assert shutdown.returncode == 0 and shutdown.stdout.startswith("nothing to shut down")
+    assert "Traceback" not in shutdown.stderr
+
+
+def test_a_public_host_needs_an_api_key():
+    result = _tokenmux("serve", "--host", "0.0.0.0", TOKENMUX_API_KEYS="")
+    assert result.returncode == 2 and "--api-key" in _one_error_line(result)
+
+
+def _words_ratio(text: str) -> float:
+    return sum(c.isascii() and (c.isalnum() or c in " .,;:!?'\"-") for c in text) / max(1, len(text))
+
+
+def _listening(root: psutil.Process) -> list[tuple[str, str]]:
+    procs = [root, *root.children(recursive=True)]
+    out = []
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="inet")
+            name = proc.name()
+        except psutil.Error:
+            continue
+        out += [(name, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+@pytest.mark.slow
+def test_bare_serve_serves_words_on_loopback_and_stops_cleanly_on_sigterm():
+    port = _free_port()
+    env = _env()
+    env.pop("RAY_AUTH_MODE", None)   # tokenmux's own default (Ray's token auth), not the test session's
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--port", str(port)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 600   # the first run trains the two models (a few CPU minutes)
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+            lines.append(line)
+        assert any(f"http://127.0.0.1:{port}" in line and "llama-prose" in line for line in lines), lines
+        body = {"model": "llama-prose", "messages": [{"role": "user", "content": "Tell me something."}],
+                "max_tokens": 40, "temperature": 0}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60).json()
+        text = reply["choices"][0]["message"]["content"]
+        assert _words_ratio(text) > 0.95 and len(re.findall(r"[A-Za-z]{3,}", text)) >= 3, text
+        # Ray's servers on loopback; Serve replicas' own gRPC server is hard-coded to [::] by Ray Serve.
+        exposed = [(name, ip) for name, ip in _listening(psutil.Process(proc.pid))
+                   if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1") and "ServeRepli" not in name]
+        assert not exposed, exposed
+        tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    console = "".join(lines) + out + err
+    for noise in ("SIGTERM received", "Traceback", "INFO", "New http_options", "will not be applied"):
+        assert noise not in console, console
+    time.sleep(2)
+    assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
