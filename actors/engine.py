@@ -31,7 +31,7 @@ from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from scheduler.policy_registry import make_policy
 from scheduler.request import Request, RequestStatus
 
@@ -54,8 +54,11 @@ class EngineConfig:
     policy: str = "token"                # token | request | dedicated
     dtype: str | None = None             # None = the checkpoint's dtype
     timeline_len: int = 4096             # turns kept for stats/plots
+    scheduler: SchedulerConfig | None = None   # the policy's knobs (a dict of its fields is accepted)
 
     def __post_init__(self) -> None:
+        if isinstance(self.scheduler, dict):   # configs cross actor boundaries as plain dicts
+            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
         if self.policy not in ("token", "request", "dedicated"):
             raise ValueError(f"policy must be one of token, request, dedicated; got {self.policy!r}")
         if self.kv_bytes < self.slab_bytes:
@@ -91,7 +94,8 @@ class Engine:
         self.host_blocks = BlockManager(host_slabs, config.slab_bytes) if host_slabs else None
         self.slots = WeightSlots(self.memory, host_cache or HostWeightCache())
         self.estimator = StepLatencyEstimator()
-        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator)
+        self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
+                                                    config.scheduler)
         self.sampler = Sampler()
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}

@@ -6,9 +6,11 @@ whether or not earlier requests have finished, so an overloaded system sees its 
 in its record is its scheduled time, so any lag in sending it counts against the system.
 
 The system under test is a `Target`: one method that streams the new tokens of one
-request. Chunks are lists of token ids (timestamped by the driver on receipt) or
-`OutputFrame`s, whose `token_times` (wall clock, time.time()) are used when present.
-An error is recorded on the request, never raised out of the run.
+request. Chunks are lists of token ids or `OutputFrame`s. Every token is timestamped by the
+driver when its chunk arrives (the client-observed time the SLO judges: a token the server
+made but has not delivered is not served yet); an OutputFrame's own `token_times` (the
+worker's wall clock) are kept beside them as `server_token_times`, a diagnostic of how much
+the transport adds. An error is recorded on the request, never raised out of the run.
 """
 from __future__ import annotations
 
@@ -146,10 +148,9 @@ async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, promp
                         rec.num_prompt_tokens = chunk.num_prompt_tokens
                     rec.worker_id = chunk.worker_id or rec.worker_id
                     ids = chunk.token_ids
+                    rec.token_times.extend([now] * len(ids))
                     if len(chunk.token_times) == len(ids):
-                        rec.token_times.extend(t - wall0 for t in chunk.token_times)
-                    else:
-                        rec.token_times.extend([now] * len(ids))
+                        rec.server_token_times.extend(t - wall0 for t in chunk.token_times)
                     if chunk.error:
                         rec.error = chunk.error
                         break

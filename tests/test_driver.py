@@ -101,14 +101,21 @@ def test_shutdown_cancels_and_closes_every_stream():
     assert len(engine.sent) == 5 and engine.closed == set(engine.sent)
 
 
-def test_frame_token_times_from_the_server_are_used():
+def test_tokens_are_timed_when_the_client_gets_them_and_server_stamps_kept_beside():
     async def timed(model, prompt, max_tokens, request_id):
         now = time.time()
+        # the server made both tokens long ago, but the client sees them only now, together
         yield OutputFrame(request_id, token_ids=[7, 8], token_times=[now - 0.5, now - 0.25],
                           num_prompt_tokens=11, worker_id="w3")
+        await asyncio.sleep(0.2)
+        yield OutputFrame(request_id, token_ids=[9], token_times=[time.time()])
 
     (r,) = asyncio.run(run(CallableTarget(timed), workload(1, 0.0)))
-    assert r.tbts[0] == pytest.approx(0.25, abs=1e-6)
+    assert r.tbts[0] == 0.0 and r.tbts[1] == pytest.approx(0.2, abs=0.1)
+    assert r.ttft == pytest.approx(0.0, abs=0.1)   # received at once, though made 0.5 s earlier
+    server = r.server_token_times
+    assert server[1] - server[0] == pytest.approx(0.25, abs=1e-6)
+    assert server[0] < r.token_times[0] - 0.4
     assert r.num_prompt_tokens == 11 and r.worker_id == "w3"
 
 
