@@ -20,8 +20,9 @@ devices are independent, so each model's share of the trace is replayed on a dev
 own, one device after another (never sharing the cores), and the records are merged: the
 same requests, at the same times, each on a device that serves only its model. Models that
 are copies of one checkpoint are identical devices, so they are measured on one worker, one
-after another; idle gaps longer than the request timeout are shortened (the device is empty
-then, so nothing a request sees changes). Its `devices` in the report is the model count.
+after another; each device's idle stretches are skipped (driver.run's idle_skip_s: the
+device is empty then, so nothing a request sees changes). Its `devices` in the report is
+the model count.
 
 A contender is started, warmed up, measured and stopped before the next one starts:
 contenders never share the cores while they are measured.
@@ -291,7 +292,8 @@ class MultiplexedContender(Contender):
             deployment.models, num_replicas=deployment.num_workers,
             max_models_per_replica=deployment.num_slots,
             threads_per_replica=deployment.threads_per_worker, app_name=self.app_name,
-            max_ongoing_requests=self.max_ongoing_requests, serialize_generation=False)
+            max_ongoing_requests=self.max_ongoing_requests, serialize_generation=False,
+            dtype=deployment.engine.get("dtype") or "float32")
         return target
 
     def describe(self, deployment: Deployment) -> str:

@@ -28,9 +28,11 @@ from load_tests.metrics import RequestRecord, attainment_key, summarize
 from load_tests.records import PointKey, RecordSet
 from load_tests.search import SearchPlan, SearchResult, find_max_rate
 from load_tests.sweep import RunSettings, at_rate
-from load_tests.workloads import TraceRequest, Workload
+from load_tests.workloads import Workload
 
 logger = logging.getLogger(__name__)
+
+DEDICATED_IDLE_SKIP_S = 1.0  # a dedicated device replaying one model's share skips idle past this
 
 
 @dataclass(frozen=True)
@@ -169,56 +171,30 @@ class Session:
             return self._drive_by_model(workload, seed)
         records = self.loop.run_until_complete(driver.run(
             self.target, workload, request_timeout_s=settings.request_timeout_s,
-            vocab_size=settings.vocab_size, seed=seed, progress=settings.progress))
+            vocab_size=settings.vocab_size, seed=seed, progress=settings.progress,
+            idle_skip_s=settings.idle_skip_s))
         if settings.settle_s:
             time.sleep(settings.settle_s)
         return records
 
     def _drive_by_model(self, workload: Workload, seed: int) -> list[RequestRecord]:
         """Each model's requests on a device of its own, one device after another; records
-        come back in the workload's order, on the workload's clock."""
+        come back in the workload's order, on the workload's clock (each device's idle
+        stretches are skipped: it serves its own model only, so it is mostly idle)."""
         settings = self.experiment.settings
         out: dict[int, RequestRecord] = {}
         for model in workload.models:
             idx = [i for i, r in enumerate(workload) if r.model == model]
             sub = Workload(tuple(workload[i] for i in idx))
-            short, shifts = shorten_idle(sub, settings.request_timeout_s + 1.0)
             recs = self.loop.run_until_complete(driver.run(
-                self.target, short, request_timeout_s=settings.request_timeout_s,
-                vocab_size=settings.vocab_size, seed=seed, progress=False))
-            for i, rec, shift in zip(idx, recs, shifts):
-                out[i] = _shifted(rec, shift + workload[idx[0]].arrival_s, f"req-{i:06d}")
+                self.target, sub, request_timeout_s=settings.request_timeout_s,
+                vocab_size=settings.vocab_size, seed=seed, progress=False,
+                idle_skip_s=settings.idle_skip_s or DEDICATED_IDLE_SKIP_S))
+            for i, rec in zip(idx, recs):
+                out[i] = replace(rec, request_id=f"req-{i:06d}")
             if settings.settle_s:
                 time.sleep(settings.settle_s)
         return [out[i] for i in range(len(workload))]
-
-
-def shorten_idle(workload: Workload, max_gap_s: float) -> tuple[Workload, list[float]]:
-    """The workload re-based to 0 with every gap between arrivals cut to at most max_gap_s,
-    and per request how much later it really arrives (to restore its times)."""
-    if not workload.requests:
-        return workload, []
-    base = workload[0].arrival_s
-    out, shifts, cut = [], [], 0.0
-    prev = base
-    for r in workload:
-        gap = r.arrival_s - prev
-        if gap > max_gap_s:
-            cut += gap - max_gap_s
-        prev = r.arrival_s
-        out.append(TraceRequest(r.arrival_s - base - cut, r.model, r.input_len, r.output_len))
-        shifts.append(cut)
-    return Workload(tuple(out)), shifts
-
-
-def _shifted(rec: RequestRecord, shift: float, request_id: str) -> RequestRecord:
-    def move(ts):
-        return [t + shift for t in ts]
-
-    return replace(rec, request_id=request_id, arrival=rec.arrival + shift,
-                   first_token_time=None if rec.first_token_time is None else rec.first_token_time + shift,
-                   token_times=move(rec.token_times), server_token_times=move(rec.server_token_times),
-                   end=None if rec.end is None else rec.end + shift)
 
 
 def count_search(measure: Callable[[int], float], start: int, threshold: float, *, max_count: int,

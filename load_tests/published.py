@@ -9,16 +9,22 @@ What it runs, on this machine, each contender alone on the cores (load_tests/exp
               thread; SLO measured from that model's own step times (load_tests/slo.py)
   traces      "bursty" (the loadtest default: Gamma arrivals CV 4, Zipf(1) popularity,
               Azure conversation lengths) and "poisson" (the same with Poisson arrivals)
-  points      3 seeds x 120 requests each; mean and 95% CI per rate and measure
-  token       bracket by doubling from the start rate, bisect to <= 10%, then the doubling
-              grid one step past its failure (the rates every other contender shares)
-  request     that grid plus its own bisection (so "never below" compares like rates)
-  multiplexed Ray Serve @serve.multiplexed at max_ongoing_requests 1, 2, 8: searched from
+  points      3 seeds x 120 requests each; mean and 95% CI per rate and measure; when
+              nothing is in flight for 1 s the driver skips to the next arrival (a bursty
+              trace's silences cost no wall time; the system is empty, nothing changes)
+  token       bracket by doubling from the start rate (halving to start/4 if it misses
+              there), bisect to <= 10%, then the doubling grid one step past its failure (the
+              rates every other contender shares)
+  request     that grid plus its own search and bisection (so "never below" compares like
+              rates)
+  multiplexed Ray Serve @serve.multiplexed at max_ongoing_requests 1, 2, 8: searched up from
               the start rate (a configuration that misses there is "never reaches 90% even at")
-  ablations   token without the quota cap, without overload control: searched (bursty trace)
+  ablations   token without the quota cap, without overload control: at token's bracket and
+              the grid above half of it, where overload starts (bursty trace)
   dedicated   12 devices (one per model), at the highest rate token met the threshold
   SLO table   every record re-scored under TTFT:TPOT = 16 and 100 and the SLO x0.5, x1, x2
-  models      max models one worker serves at 90% goodput with 0.1 req/s each (bursty)
+  models      max models one worker serves at 90% goodput with 0.1 req/s each (Aegaeon's
+              setting: every model a Poisson stream of 0.1 req/s)
 
 Rates are not fixed numbers: the start rate of each trace is a fraction of the model's
 service rate mu = 1 / (prefill + mean output tokens x decode step), from the same measured
@@ -58,15 +64,55 @@ class Preset:
     metric: str = "goodput"
     resolution: float = 1.1
     max_rate_factor: float | None = None  # search no higher than start x this (None: until it misses)
-    # start rate of each trace as a fraction of the service rate mu (see the module docstring)
-    start_fraction: dict = field(default_factory=lambda: {"bursty": 0.08, "poisson": 0.25})
+    # start rate of each trace as a fraction of the service rate mu (see the module docstring):
+    # low enough that request-level still meets the threshold there on this machine
+    start_fraction: dict = field(default_factory=lambda: {"bursty": 0.015, "poisson": 0.1})
+    probe_down: float = 4.0  # token and request halve down to start / this when the start misses
     contenders: tuple[str, ...] = ("token", "request", *MUXES, *ABLATIONS, "dedicated")
     ablation_traces: tuple[str, ...] = ("bursty",)
     model_rate: float = 0.1  # req/s per model in the models sweep
     model_start: int = 16  # the models sweep doubles from here
     max_models: int = 128
     request_timeout_factor: float = 4.0  # timeout = this x (TTFT SLO + max_output x TBT SLO), >= 2 s
-    settle_s: float = 1.0
+    settle_s: float = 0.5
+    idle_skip_s: float | None = 0.5  # skip the driver's clock over idle stretches past this (driver.run)
+    max_input: int = 256  # Azure conversation lengths x 0.125 (input) and x 0.25 (output), clipped here
+    max_output: int = 256
+    kv_mb: float = 64.0
+    device: str = "cpu"
+    dtype: str | None = None
+    traces: tuple[str, ...] = ("bursty", "poisson")
+    models_sweep: bool = True
+    # measure every contender at these x mu instead of searching: one tuple for every trace,
+    # or a dict trace -> tuple
+    fixed_fractions: tuple[float, ...] | dict | None = None
+
+    @classmethod
+    def gpu(cls, quick: bool = False) -> "Preset":
+        """The same side-by-side on one GPU with real-size models: 8 copies of a 7B shape
+        (random bf16 weights, load_tests/bench/shapes.py), 3 of them resident at a time in
+        the budget, the rest swapped in from the host cache over PCIe (the peer loads with
+        from_pretrained). Device time is short, so: the Poisson trace, a fixed grid of rates
+        (fractions of mu) instead of a search, 1 seed x 40 requests (quick: token and request,
+        2 rates x 24 requests). Sized for ~6 minutes (quick ~3) on an H200; not run yet."""
+        if quick:
+            return cls(models=8, checkpoint="shape:qwen2.5-7b", slots=3, threads=4, seeds=(0,), max_requests=24,
+                       contenders=("token", "request"), kv_mb=16384.0, device="cuda", dtype="bfloat16",
+                       traces=("poisson",), models_sweep=False, settle_s=0.5, fixed_fractions=(0.5, 1.0))
+        return cls(models=8, checkpoint="shape:qwen2.5-7b", slots=3, threads=4, seeds=(0,), max_requests=40,
+                   contenders=("token", "request", "multiplexed-8"), kv_mb=16384.0, device="cuda",
+                   dtype="bfloat16", traces=("poisson",), models_sweep=False, settle_s=0.5,
+                   fixed_fractions=(0.25, 0.5, 1.0))
+
+    @classmethod
+    def short(cls) -> "Preset":
+        """The published run cut to ~30 minutes of a shared 2-core machine: the same 12 models,
+        SLO, traces and 3 seeds, but 60 requests per point (not 120), a fixed grid of 4 rates
+        per trace (fractions of mu, doubling: the max rate at 90% is interpolated between
+        grid points, not bisected to 10%), token, request and one Serve configuration
+        (max_ongoing_requests 8), no ablations, no dedicated fleet, no models sweep."""
+        return cls(max_requests=60, contenders=("token", "request", "multiplexed-8"), models_sweep=False,
+                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.05, 0.1, 0.2, 0.4)})
 
     @classmethod
     def quick(cls) -> "Preset":
@@ -77,8 +123,8 @@ class Preset:
                    settle_s=0.2)
 
 
-def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, readme: str | Path | None = "README.md",
-                  preset: Preset | None = None) -> dict:
+def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
+                  short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None) -> dict:
     """Run everything and write the results; returns the summary."""
     from types import SimpleNamespace
 
@@ -90,22 +136,24 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     from load_tests.sweep import RunSettings
     from scheduler.slo import SLO
 
-    p = preset or (Preset.quick() if quick else Preset())
+    p = preset or (Preset.gpu(quick) if gpu else Preset.quick() if quick else Preset.short() if short else Preset())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     args = SimpleNamespace(arrival="gamma", cv=4.0, popularity="zipf", zipf_alpha=1.0, lengths="azure",
-                           input_scale=0.125, output_scale=0.25, max_input=256, max_output=64, seed=0,
-                           kv_mb=64.0, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None)
+                           input_scale=0.125, output_scale=0.25, max_input=p.max_input, max_output=p.max_output,
+                           seed=0, kv_mb=p.kv_mb, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None,
+                           device=p.device, dtype=p.dtype)
     connect_or_start(num_virtual_gpus=1, log_to_driver=False)
     models = served_models(str(p.models), p.checkpoint)
     slo_info = measured_slo(models, args, p.threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
     timeout = max(2.0, p.request_timeout_factor * (slo.ttft_s + args.max_output * slo.tbt_s))
-    settings = RunSettings(max_requests=p.max_requests, request_timeout_s=timeout, settle_s=p.settle_s)
+    settings = RunSettings(max_requests=p.max_requests, request_timeout_s=timeout, settle_s=p.settle_s,
+                           idle_skip_s=p.idle_skip_s)
     deployment = Deployment(models, 1, engine_config(models, args), p.threads, slo)
     ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric)
-    traces = [TraceSpec("bursty", "gamma", 4.0), TraceSpec("poisson", "poisson")]
+    traces = [t for t in (TraceSpec("bursty", "gamma", 4.0), TraceSpec("poisson", "poisson")) if t.name in p.traces]
     ex.records.run = {"preset": _asdict(p), "slo": slo_info, "request_timeout_s": timeout,
                       "deployment": {"models": models, "num_workers": 1, "threads_per_worker": p.threads,
                                      "engine": deployment.engine},
@@ -123,15 +171,21 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
         logger.info("phase %s done in %.0f s", name, timings[name])
         return result
 
-    def plan(rate: float) -> SearchPlan:
+    def plan(rate: float, down: bool = True) -> SearchPlan:
         top = rate * p.max_rate_factor if p.max_rate_factor else None
-        return SearchPlan(start=rate, threshold=p.threshold, resolution=p.resolution, max_rate=top)
+        return SearchPlan(start=rate, threshold=p.threshold, resolution=p.resolution, max_rate=top,
+                          min_rate=rate / p.probe_down if down else rate)
 
     # token first: its search sets the grid every other contender shares
     grids: dict[str, list[float]] = {}
     with ex.session("token") as s:
         descriptions["token"] = s.contender.describe(deployment)
         for t in traces:
+            if p.fixed_fractions:   # a fixed grid (the GPU preset: device time is short)
+                fractions = p.fixed_fractions[t.name] if isinstance(p.fixed_fractions, dict) else p.fixed_fractions
+                grids[t.name] = [_round(f * mu) for f in fractions]
+                phase(f"token/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+                continue
             res = phase(f"token/{t.name}", lambda: s.search(t, plan(starts[t.name])))
             top = (res.hi or res.lo or starts[t.name]) * 2
             grids[t.name] = doubling_grid(starts[t.name], top)
@@ -142,15 +196,22 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
         with ex.session(name) as s:
             descriptions[name] = s.contender.describe(deployment)
             for t in todo:
-                if name == "dedicated":
-                    lo = plans[t.name]["token"]["lo"] or starts[t.name]
-                    phase(f"{name}/{t.name}", lambda: s.point(t, lo))
-                    continue
-                also = grids[t.name] if name == "request" else ()
-                res = phase(f"{name}/{t.name}", lambda: s.search(t, plan(starts[t.name]), also=also))
-                plans[t.name][name] = {"lo": res.lo, "hi": res.hi}
+                token = plans[t.name].get("token", {})
+                if p.fixed_fractions:
+                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+                elif name == "dedicated":   # the fleet at the highest rate token met the threshold
+                    phase(f"{name}/{t.name}", lambda: s.point(t, token.get("lo") or starts[t.name]))
+                elif name in ABLATIONS:   # where overload starts: the top of the grid, token's bracket
+                    lo = token.get("lo") or starts[t.name]
+                    rates = sorted({r for r in grids[t.name] if r >= lo / 2} | {lo, token.get("hi") or lo})
+                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in rates])
+                else:   # request: the shared grid, then its own search; the Serve peer: from the start only
+                    also = grids[t.name] if name == "request" else ()
+                    down = name == "request"
+                    res = phase(f"{name}/{t.name}", lambda: s.search(t, plan(starts[t.name], down), also=also))
+                    plans[t.name][name] = {"lo": res.lo, "hi": res.hi}
         write_records(out / "loadtest-records.jsonl.gz", ex.records)   # progress survives a crash
-    models_result = phase("models", lambda: models_sweep(p, args, settings, slo))
+    models_result = phase("models", lambda: models_sweep(p, args, settings, slo, out)) if p.models_sweep else None
     write_records(out / "loadtest-records.jsonl.gz", ex.records)
     elapsed = time.time() - t_start
     meta = {"elapsed_s": round(elapsed, 1), "phase_s": timings, "service_rate_rps": mu, "start_rates": starts,
@@ -165,28 +226,25 @@ def service_rate(times: dict, ex, traces) -> float:
     return 1.0 / (times["prefill_s"] + statistics.mean(outputs) * times["decode_s"])
 
 
-def models_sweep(p: Preset, args, settings, slo) -> dict:
-    """Largest model count one worker serves at the threshold, 0.1 req/s per model (bursty)."""
-    from load_tests.contenders import Deployment
-    from load_tests.experiment import Experiment, TraceSpec, count_search
-    from load_tests.runner import engine_config, served_models
-    from load_tests.stats import mean_ci
+def models_sweep(p: Preset, args, settings, slo, out: Path) -> dict:
+    """Largest model count one worker serves at the threshold with 0.1 req/s per model:
+    Aegaeon's setting (each model a Poisson stream of 0.1 req/s: Poisson arrivals, uniform
+    popularity). Its records go to loadtest-models-records.jsonl.gz (trace "models-N")."""
+    from load_tests.experiment import TraceSpec, count_search, measure_model_count, replace_args
+    from load_tests.records import PointKey, RecordSet, write_records
 
-    trace = TraceSpec("bursty", "gamma", 4.0)
+    trace = TraceSpec("models", "poisson")
+    args = replace_args(args, popularity="uniform")
     per_count: dict[int, dict] = {}
+    kept = RecordSet(run={"slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "rate_per_model": p.model_rate})
 
     def measure(n: int) -> float:
-        models = served_models(str(n), p.checkpoint)
-        deployment = Deployment(models, 1, engine_config(models, args), p.threads, slo)
-        ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric)
-        with ex.session("token") as s:
-            s.point(trace, p.model_rate * n)
-        rate = float(p.model_rate * n)
-        from load_tests.analysis import point_summary
-
-        seeds = ex.records.select("token", trace.name)[rate]
-        summary = point_summary(seeds, slo)
-        per_count[n] = {"rate": rate, **{m: summary[m] for m in ("goodput", "strict", "cumulative")}}
+        summary, records = measure_model_count(n, p.checkpoint, args, p.threads, slo, settings, p.seeds,
+                                               p.metric, trace, p.model_rate)
+        for key, recs in records.points.items():
+            kept.add(PointKey(key.contender, f"{trace.name}-{n}", key.rate, key.seed), recs)
+        write_records(out / "loadtest-models-records.jsonl.gz", kept)
+        per_count[n] = {"rate": summary["rate"], **{m: summary[m] for m in ("goodput", "strict", "cumulative")}}
         return summary[p.metric]["mean"]
 
     best, above, order = count_search(measure, p.model_start, p.threshold, max_count=p.max_models,

@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=60, help="requests per measured point")
     p.add_argument("--duration", type=float, help="cut each point's arrivals after this many seconds")
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--idle-skip", type=float, metavar="S",
+                   help="when nothing is in flight for S seconds, skip the clock to the next arrival")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO in s (default: measured, see load_tests/slo.py)")
     p.add_argument("--slo-tbt", type=float, help="TBT SLO in s (default: measured)")
@@ -81,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs/results", help="--published: where its files go")
     p.add_argument("--quick", action="store_true", help="a short run (tests): 1 seed, few requests; "
                    "with --published its quick preset")
+    p.add_argument("--short", action="store_true", help="--published: the reduced preset (~30 min on 2 "
+                   "shared cores: 60 requests per point, a fixed 4-rate grid, no ablations/models sweep)")
+    p.add_argument("--gpu", action="store_true", help="--published: the GPU preset (8 copies of a 7B shape, "
+                   "random bf16 weights, one CUDA device; tests/gpu/run.sh runs it)")
     p.add_argument("--no-quota-cap", action="store_true",
                    help="token contender: Aegaeon's fixed Q_max, no cap at a multiple of the switch cost")
     p.add_argument("--no-overload-control", action="store_true",
@@ -95,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-scale", type=float, default=0.125)
     p.add_argument("--output-scale", type=float, default=0.25)
     p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--model-counts", type=_csv(int), default=[2, 4, 6, 8, 10, 12, 14, 16])
     p.add_argument("--model-rate", type=float, default=0.1, help="models sweep: req/s per model")
     p.add_argument("--threads-per-worker", type=int, help="default: cores // workers")
@@ -110,9 +116,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _checkpoint(name_or_dir: str) -> str:
     if Path(name_or_dir, "config.json").is_file():
         return str(Path(name_or_dir))
+    if name_or_dir.startswith("shape:"):   # random weights of a real shape (load_tests/bench/shapes.py)
+        return str(_shape_checkpoint(name_or_dir.removeprefix("shape:")))
     from load_tests.zoo import ensure_model
 
     return str(ensure_model(name_or_dir))
+
+
+def _shape_checkpoint(name: str) -> Path:
+    """A random-weight checkpoint of a real shape, built once into the shared cache
+    (TOKENMUX_SHAPE_DIR, default ~/.cache/tokenmux/shapes) and reused after."""
+    import json
+
+    from load_tests.bench.shapes import build_shape, parse_shapes
+
+    parse_shapes(name)
+    parent = Path(os.environ.get("TOKENMUX_SHAPE_DIR") or Path.home() / ".cache" / "tokenmux" / "shapes")
+    parent.mkdir(parents=True, exist_ok=True)
+    for d in sorted(parent.glob(f"tokenmux-shape-{name}-*")):
+        marker = d / "tokenmux-shape.json"
+        if marker.is_file() and json.loads(marker.read_text()).get("shape") == name:
+            return d
+    import torch
+
+    return build_shape(name, parent, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def served_models(spec: str, checkpoint: str) -> dict[str, str]:
@@ -141,8 +168,12 @@ def engine_config(models: dict[str, str], args) -> dict:
     if args.slots >= len(models):
         logger.warning("%d slots hold all %d models: no model ever has to be swapped in",
                        args.slots, len(models))
-    return {"budget_bytes": budget, "kv_bytes": kv, "num_slots": args.slots,
-            "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB}
+    config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": args.slots,
+              "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB}
+    for key in ("device", "dtype"):   # a GPU run (load_tests/published.py --gpu); CPU by default
+        if getattr(args, key, None):
+            config[key] = getattr(args, key)
+    return config
 
 
 def make_workload(args, names: list[str], rate: float, num_requests: int):
@@ -176,7 +207,8 @@ def measured_slo(models: dict[str, str], args, threads: int) -> dict:
     # contenders' workers run (same scheduling priority, same share of a busy machine).
     remote = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(measure_step_times)
     times = ray.get(remote.remote(largest, prompt_len=min(128, args.max_input), batch_size=4,
-                                  num_decode_steps=32, num_threads=threads))
+                                  num_decode_steps=32, num_threads=threads,
+                                  device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None)))
     slo = default_slo(times)
     return {"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
             "derived_from": times.to_dict(), "tbt_factor": DEFAULT_TBT_FACTOR,
@@ -202,7 +234,8 @@ def run(args) -> int:
     if args.published:
         from load_tests.published import run_published
 
-        summary = run_published(args.out, quick=args.quick)
+        summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
+                                readme=None if (args.gpu or args.quick) else "README.md")
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0
     if args.rescore:
@@ -238,7 +271,8 @@ def run(args) -> int:
     slo_info = measured_slo(models, args, threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
     settings = RunSettings(max_requests=args.max_requests, duration_s=args.duration,
-                           request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress)
+                           request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
+                           idle_skip_s=args.idle_skip)
     trace = TraceSpec(Path(args.trace).stem if args.trace else (
         args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
         args.arrival, args.cv, path=args.trace)
@@ -274,8 +308,8 @@ def run(args) -> int:
                       "scheduler": scheduler_overrides(args)}
     result = analyze_trace(ex.records, trace.name, slo, args.threshold, args.sweep_metric,
                            devices={c: deployment.devices(c) for c in args.contenders})
-    out = {"slo": slo_info, "reference_rate": ref_rate, "seeds": list(seeds), "notes": notes,
-           "descriptions": descriptions, "warm_up_errors": warm, **ex.records.run, **result}
+    out = {**result, **ex.records.run, "slo": slo_info, "reference_rate": ref_rate, "seeds": list(seeds),
+           "notes": notes, "descriptions": descriptions, "warm_up_errors": warm}
     for name, data in out["contenders"].items():
         data["at_reference_rate"] = _at_rate(data, ref_rate)
     if "models" in args.sweep:

@@ -28,6 +28,7 @@ class RunSettings:
     vocab_size: int = 2048  # prompts are token ids below this
     seed: int = 0
     progress: bool = False
+    idle_skip_s: float | None = None  # skip idle stretches longer than this (driver.run)
 
     def __post_init__(self) -> None:
         if self.max_requests < 1:
@@ -36,6 +37,8 @@ class RunSettings:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")
+        if self.idle_skip_s is not None and not self.idle_skip_s > 0:
+            raise ValueError(f"idle_skip_s must be > 0 or None, got {self.idle_skip_s!r}")
         if self.settle_s < 0:
             raise ValueError(f"settle_s must be >= 0, got {self.settle_s!r}")
 

@@ -10,6 +10,15 @@ the round serves the largest set of batches that fits, least slack first, and ho
 until a round has room. A held batch's slack shrinks while it waits, so it comes first once
 room appears: nothing starves while the batches it waits behind finish.
 
+Slack is time banked against the SLO: a stream's next token is due at first + k * TBT (its
+mean-TPOT budget), a waiting request's first token at arrival + TTFT. Waiting requests of
+models not decoding compete for the round too, so a stream that ran ahead of its TBT can sit
+out a round for a request whose first token is due. Two guards keep that from turning into
+every stream falling behind together (EDF's domino under overload): a decoding batch with
+less than `guard_s` of slack (two rounds) is never passed by a waiting one, and a waiting
+request whose first token is already late goes last (rushing it saves nothing: its TTFT is
+lost; it still runs once there is room).
+
 Prefill takes device time from the round too. A round of decode time T0 = c0 + sum q_i gives
 batch i q_i / d_i tokens, so its mean TBT is alpha * TBT_i; prefill time P spent inside the
 round stretches that to alpha * TBT_i * (T0 + P) / T0. Keeping it <= TBT_i leaves the round a
@@ -42,6 +51,7 @@ class BatchLoad:
     step_s: float  # predicted decode step of the whole batch (per-step overhead included)
     switch_s: float  # swap-in time if this round has to switch it in
     slack_s: float  # until its most urgent request's next token is due (may be negative)
+    waiting: bool = False  # requests not prefilled yet: the batch would start this round
 
     def __post_init__(self) -> None:
         if not self.tbt_slo_s > 0 or not self.step_s > 0:
@@ -101,21 +111,33 @@ def plan_round(batches: Sequence[BatchLoad], rule: RoundRule) -> RoundPlan:
     return RoundPlan(names, (), plan, decode_s)
 
 
-def select_round(batches: Sequence[BatchLoad], rule: RoundRule) -> RoundPlan:
-    """The largest set of batches whose round fits (alpha <= 1), filled least slack first.
+def priority(batch: BatchLoad, guard_s: float = 0.0) -> float:
+    """Sort key of a batch, smallest first: least slack first, with two exceptions.
+    A decoding batch with less than `guard_s` of slack is never passed by a waiting one
+    (it could not sit out a round without falling behind its TBT); a waiting batch whose
+    first token is already late goes last (rushing it saves no request: its TTFT is lost)."""
+    if batch.waiting:
+        return batch.slack_s if batch.slack_s >= 0 else math.inf
+    return -math.inf if batch.slack_s < guard_s else batch.slack_s
 
-    Batches are tried in order of slack; each one joins if the round still fits with it,
-    else it is held. The most urgent batch is always served, even when it cannot meet its
-    SLO alone (then nothing could, and holding it would only stall the device)."""
+
+def select_round(batches: Sequence[BatchLoad], rule: RoundRule, admit_alpha: float = 1.0,
+                 guard_s: float = 0.0) -> RoundPlan:
+    """The largest set of batches whose round fits (alpha <= 1), filled in `priority` order.
+
+    Batches are tried in order; each one joins if the round still fits with it, else it is
+    held (a waiting batch, not started yet, joins only with `admit_alpha` to spare). The
+    first batch is always served, even when it cannot meet its SLO alone (then nothing
+    could, and holding it would only stall the device)."""
     if not batches:
         raise ValueError("a round needs at least one batch")
-    order = sorted(batches, key=lambda b: (b.slack_s, b.model))
+    order = sorted(batches, key=lambda b: (priority(b, guard_s), b.model))
     chosen = [order[0]]
     plan = plan_round(chosen, rule)
     held = []
     for batch in order[1:]:
         trial = plan_round(chosen + [batch], rule)
-        if trial.alpha <= 1.0:
+        if trial.alpha <= (admit_alpha if batch.waiting else 1.0):
             chosen.append(batch)
             plan = trial
         else:

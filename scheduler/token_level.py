@@ -16,13 +16,15 @@ turn), unless another model's request has waited longer: FCFS holds across model
 Overload control (`SchedulerConfig.overload_control`, scheduler/overload.py). When the
 quota rule's alpha exceeds 1 the round serves the largest set of batches that fits, least
 slack first, and holds the others (KV kept, or swapped under memory pressure) until a
-round has room. New requests are admitted (prefilled) in order of their TTFT deadline, each
-only if its model's batch still fits the next round and its prefill fits what is left of
-this round's prefill budget; a request that does not fit waits queued, and one that does
-may pass it (a request of a model already decoding costs its batch little). So under
-overload the admitted streams keep their TBT and the rest wait for room, instead of every
-stream stalling. Step predictions include the measured per-step time outside the forward
-(scheduling, sampling, emitting), which on small models is a real share of a step.
+round has room; waiting groups of models not decoding compete for the round as well and
+the ones it takes are reserved (prefilled first, decoding from the next round). Between
+rounds, new requests are admitted (prefilled) in order of their TTFT deadline (late ones
+last), each only if its model's batch still fits the next round with `admit_alpha` to spare
+and its prefill fits the round's prefill budget; a request that does not fit waits queued,
+and one that does may pass it (a request of a model already decoding costs its batch
+little). So under overload the admitted streams keep their TBT and the rest wait for room,
+instead of every stream stalling. Step predictions include the measured per-step time
+outside the forward (scheduling, sampling, emitting), a real share of a small model's step.
 
 `prefetch_model` names the model expected after this step (the next prefill group's, or
 the next batch of the round), so the engine can copy its weights in the background.
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, admits, plan_round, select_round
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
@@ -69,6 +71,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
         self.last_alpha_all: float | None = None  # alpha had every batch been served (overload signal)
         self.held: tuple[str, ...] = ()  # models held out of the latest round
+        self._reserved: dict[str, list[str]] = {}  # waiting groups the round took in: model -> ids
         self.num_held_rounds = 0  # rounds that held at least one batch
 
     def _choose(self, now: float) -> SchedulerOutput | None:
@@ -119,7 +122,15 @@ class TokenLevelPolicy(SchedulingPolicy):
             if model is None:
                 return None
             return model, [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
-        heads = sorted((q[0] for q in self.waiting.values() if q), key=self._ttft_key)
+        while self._reserved:   # the round made room for these: they go first
+            model = next(iter(self._reserved))
+            queued = {r.request_id for r in self.waiting.get(model, ())}
+            ids = [rid for rid in self._reserved.pop(model) if rid in queued]
+            if ids:
+                return model, ids
+        # by TTFT deadline, those already late last (see overload.priority)
+        heads = sorted((q[0] for q in self.waiting.values() if q),
+                       key=lambda r: (self._slack(r, now) < 0, self._ttft_key(r)))
         for head in heads:
             members = self._admissible(head.model, now)
             if members:
@@ -128,8 +139,8 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _admissible(self, model: str, now: float) -> list[str]:
         """The longest run of `model`'s waiting requests (oldest first) the next round can take."""
-        decoding = [m for m in self.models if m != model and self._has_decode_work(m)]
-        if not decoding and not self._has_decode_work(model):
+        decoding = [m for m in self.models if m != model and self._has_decode_work(m) and m not in self.held]
+        if not decoding and not self._has_decode_work(model) and not self.held:
             # an idle device: nothing to keep on time; the decode that follows earns credit anew
             self._prefill_credit_s = 0.0
             return [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
@@ -186,11 +197,12 @@ class TokenLevelPolicy(SchedulingPolicy):
         return self._decode_step(model)
 
     def _joining(self, model: str, now: float) -> list[str]:
-        """Waiting requests of the running model that join its turn without a switch."""
+        """Waiting requests of the running model that join its turn without a switch: FCFS
+        across models without overload control; with it, those the next round can take (a
+        request that does not fit may be passed, see the module docstring)."""
         if not self._controlled:
             return [r.request_id for r in self.waiting[model]] if self._oldest_waiting_model() == model else []
-        group = self._next_group(now)
-        return group[1] if group is not None and group[0] == model else []
+        return self._admissible(model, now)
 
     def _others_busy(self, model: str, now: float) -> bool:
         if any(m != model and self.running[m] for m in self.models):
@@ -214,8 +226,8 @@ class TokenLevelPolicy(SchedulingPolicy):
                     self._turn = _Turn(model, now + switch + self._quotas[model])
                     return output
             self._new_round(now)
-            if not self._round:
-                return None
+            if not self._round:   # nothing decodes this round; it may have made room for prefills
+                return self._start_group(now) if self._reserved else None
         return None
 
     def _new_round(self, now: float) -> None:
@@ -223,29 +235,44 @@ class TokenLevelPolicy(SchedulingPolicy):
         (starting after the last model that ran) and give each its quota."""
         names = list(self.models)
         models = [m for m in names if self._has_decode_work(m)]
+        self._reserved = {}
         if not models:
             self._round, self.held = deque(), ()
             return
         loads = [self._load(m, now) for m in models]
         everyone = plan_round(loads, self._rule())
         self.last_alpha_all = everyone.alpha
-        plan: RoundPlan = select_round(loads, self._rule()) if self._controlled else everyone
+        if self._controlled:
+            # waiting requests of models not decoding compete for the round too: a batch that
+            # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
+            # token is due
+            groups = {m: list(self.waiting[m])[: self.config.max_prefill_group]
+                      for m in names if self.waiting[m] and m not in models}
+            prospective = [replace(self._load(m, now, extra=g), waiting=True) for m, g in groups.items()]
+            # a decoding batch sits out a round for a waiting one only with two rounds of slack
+            guard = 2 * everyone.decode_s
+            plan: RoundPlan = select_round(loads + prospective, self._rule(), self.config.admit_alpha, guard)
+            self._reserved = {m: [r.request_id for r in groups[m]] for m in plan.models if m in groups}
+        else:
+            plan = everyone
         if plan.held:
             self.num_held_rounds += 1
-        served = set(plan.models)
-        models = [m for m in models if m in served]
+        self.held = tuple(m for m in plan.held if m in models)
+        served = [m for m in models if m in plan.models]
+        if self._reserved and served:   # quotas of the batches decoding now; reserved ones start next round
+            plan = plan_round([b for b in loads if b.model in served], self._rule())
+        models = served
         if self._last_model in names:
             start = names.index(self._last_model)
             models.sort(key=lambda m: (names.index(m) - start - 1) % len(names))
         self._round = deque(models)
-        self.held = plan.held
         self._quotas = dict(zip(plan.models, plan.quota.quotas_s))
         self._prefill_cap_s = plan.prefill_budget_s
         self._prefill_rate = 1.0 / plan.alpha - 1.0 if plan.alpha < 1 else 0.0
         self._prefill_credit_s = min(self._prefill_credit_s, self._prefill_cap_s)
         self.last_alpha = plan.alpha
-        logger.debug("new round %s held %s alpha=%.3f (all: %.3f) quotas=%s", models, plan.held,
-                     plan.alpha, everyone.alpha, plan.quota.quotas_s)
+        logger.debug("new round %s held %s reserved %s alpha=%.3f (all: %.3f) quotas=%s", models, self.held,
+                     list(self._reserved), plan.alpha, everyone.alpha, plan.quota.quotas_s)
 
     # -- predictions ---------------------------------------------------------------------
 
@@ -262,8 +289,12 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     @staticmethod
     def _slack(request: Request, now: float) -> float:
-        """Until the request's next token is due (token k at arrival + TTFT + k * TBT)."""
-        return request.slo.deadline(request.arrival_time, request.num_output_tokens) - now
+        """Until the request's next token is due: its first by arrival + TTFT; token k after
+        that by first + k * TBT (the mean-TPOT budget, which a fast first token does not
+        widen). Time a stream has banked by running ahead of its TBT is its slack."""
+        if request.first_token_time is None:
+            return request.arrival_time + request.slo.ttft_s - now
+        return request.first_token_time + request.num_output_tokens * request.slo.tbt_s - now
 
     def _ttft_key(self, request: Request) -> tuple[float, int]:
         return (request.arrival_time + request.slo.ttft_s, self._order[request.request_id])

@@ -180,3 +180,20 @@ def test_openai_http_target_streams_sse():
     body = next(b for b in seen if b["model"] == "ids")
     assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 4
     assert len(body["prompt"]) == 6 and all(isinstance(t, int) for t in body["prompt"])
+
+
+def test_idle_stretches_are_skipped_and_times_stay_on_the_workload_clock():
+    engine = SlowEngine(token_s=0.05)   # each request: 3 tokens, 0.15 s
+    w = Workload(tuple(TraceRequest(t, "m", 4, 3) for t in (0.0, 0.05, 30.0, 60.0)))
+    t0 = time.perf_counter()
+    records = asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.3))
+    assert time.perf_counter() - t0 < 3.0          # not the minute the workload spans
+    assert [r.arrival for r in records] == [0.0, 0.05, 30.0, 60.0]
+    for r in records:   # latencies are what they were: measured while the request was in flight
+        assert r.ok and r.ttft == pytest.approx(0.05, abs=0.1)
+        assert r.token_times[-1] - r.arrival == pytest.approx(0.15, abs=0.15)
+    # the second request arrived while the first was in flight: nothing was skipped before it
+    sends = sorted(engine.sent.values())
+    assert sends[1] - sends[0] == pytest.approx(0.05, abs=0.04)
+    with pytest.raises(ValueError, match="idle_skip_s"):
+        asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.0))

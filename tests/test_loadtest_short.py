@@ -66,16 +66,6 @@ def test_every_model_has_one_worker_and_dedicated_gets_a_device_per_model():
         Deployment({"m": "/x"}, 1, {"policy": "token"})
 
 
-def test_dedicated_idle_gaps_are_shortened_and_restored():
-    from load_tests.experiment import shorten_idle
-    from load_tests.workloads import TraceRequest, Workload
-
-    w = Workload(tuple(TraceRequest(t, "m", 4, 4) for t in (10.0, 11.0, 40.0, 41.5, 100.0)))
-    short, shifts = shorten_idle(w, max_gap_s=5.0)
-    assert [r.arrival_s for r in short] == [0.0, 1.0, 6.0, 7.5, 12.5]
-    assert [r.arrival_s + s + 10.0 for r, s in zip(short, shifts)] == [r.arrival_s for r in w]
-
-
 def test_time_scaling_keeps_the_same_requests_closer_together():
     w = generate(Gamma(1.0, 4.0), Uniform(), ["a", "b"], FixedLengths(4, 4), seed=3, num_requests=50)
     settings = RunSettings(max_requests=20)
@@ -132,7 +122,9 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
     for name in ("token", "request", "dedicated"):  # light load, every model served: nothing fails
         ref = data["contenders"][name]["at_reference_rate"]
         assert ref["num_errors"] == 0
-        assert 0 < ref["ttft_p50_s"] <= ref["ttft_p99_s"] and 0 < ref["tbt_p50_s"] <= ref["tbt_p99_s"]
+        # tokens reach the client in frames, so many gaps are 0: per-gap TBT is a diagnostic
+        assert 0 < ref["ttft_p50_s"] <= ref["ttft_p99_s"] and 0 <= ref["tbt_p50_s"] <= ref["tbt_p99_s"]
+        assert 0 < ref["tpot_p50_s"] <= ref["tpot_p99_s"]
     for key in ("token_vs_request_rate", "token_vs_dedicated_rate", "token_vs_request_rate_strict",
                 "token_vs_request_rate_cumulative"):
         assert key in data and f"{key}_kind" in data and f"{key}_ci" in data
@@ -149,7 +141,11 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
     rescore = build_parser().parse_args(["loadtest", "--rescore", str(records), "--json", str(again)])
     assert run(rescore) == 0
     trace = json.loads(again.read_text())["traces"][data["trace"]]
-    assert trace["contenders"]["token"]["points"] == data["contenders"]["token"]["points"]
+    for rate, point in data["contenders"]["token"]["points"].items():   # records keep times to 1 us
+        again_point = trace["contenders"]["token"]["points"][rate]
+        for m in ("goodput", "strict", "cumulative"):
+            assert again_point[m]["mean"] == pytest.approx(point[m]["mean"], abs=1e-3)
+        assert again_point["ttft_p99_s"] == pytest.approx(point["ttft_p99_s"], abs=1e-5)
     looser = tmp_path / "looser.json"
     run(build_parser().parse_args(["loadtest", "--rescore", str(records), "--slo-tbt", "10", "--slo-ttft", "10",
                                    "--json", str(looser)]))
