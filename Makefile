@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test venv bench clean prometheus
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,7 +20,18 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tokenmux demo
 
-test: $(STAMP)
+# The observability tests scrape a real Prometheus (Debian package `prometheus`). Installed here
+# when missing and we are root with apt; otherwise those tests skip and say how to install it.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q prometheus >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }) \
+	      && echo "installed prometheus (Debian package)" || echo "could not install prometheus; its tests will skip"; \
+	  else \
+	    echo "prometheus is missing: install Debian's package (sudo apt-get install prometheus) or put a Prometheus 2.x binary on PATH; its tests will skip"; \
+	  fi; }
+
+test: $(STAMP) prometheus
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -55,6 +55,7 @@ class DeviceMemory:
         own_kv = kv_end if kv_buffer is None else 0
         self.buffer = torch.empty(own_kv + num_slots * slot_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cpu":
+            _advise_huge_pages(self.buffer)
             self.buffer.zero_()   # commit the pages now, so the first swap-in does not fault them in
         self.kv_buffer = (self.buffer if kv_buffer is None else kv_buffer)[:kv_bytes]  # [kv_bytes]
         self._slots = [self.buffer[own_kv + i * slot_bytes: own_kv + (i + 1) * slot_bytes]
@@ -76,3 +77,26 @@ class DeviceMemory:
                 f"{format_bytes(self.slot_bytes)} (budget {format_bytes(self.total_bytes)} = "
                 f"KV {format_bytes(self.kv_bytes)} + {self.num_slots} slots)"
             )
+
+
+def _advise_huge_pages(buffer: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages over a CPU buffer (before its pages are touched).
+
+    A forward streams every weight of the model once per step; with 4 KiB pages that is a
+    TLB miss every 4 KiB, with 2 MiB pages almost none (~10% faster fp32 decode on one core,
+    where decode is bound by memory bandwidth). Best effort: where THP is off or madvise is
+    refused, the buffer simply stays on small pages."""
+    import ctypes
+
+    huge = 2 << 20
+    start = -(-buffer.data_ptr() // huge) * huge
+    length = (buffer.data_ptr() + buffer.numel() - start) // huge * huge
+    if length <= 0:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(start, length, 14) != 0:   # 14 = MADV_HUGEPAGE
+            logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        logger.debug("no madvise here (%s)", e)

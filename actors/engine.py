@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from actors.device_memory import DeviceMemory, format_bytes
+from actors.engine_metrics import EngineRecorder
 from actors.host_cache import HostWeightCache
+from actors.kernel_path import KERNELS, KernelPath
 from actors.kv_pool import DeviceKVPool, HostKVPool, copy_blocks
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
@@ -55,6 +57,10 @@ class EngineConfig:
     dtype: str | None = None             # None = the checkpoint's dtype
     timeline_len: int = 4096             # turns kept for stats/plots
     scheduler: SchedulerConfig | None = None   # the policy's knobs (a dict of its fields is accepted)
+    # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
+    # fused q/k/v and gate/up, oneDNN-packed weights on CPU, CUDA graphs for decode on GPU
+    # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
+    kernels: str = "reference"
 
     def __post_init__(self) -> None:
         if isinstance(self.scheduler, dict):   # configs cross actor boundaries as plain dicts
@@ -68,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"slab_bytes must be a multiple of 256, got {self.slab_bytes}")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
 
 
 @dataclass
@@ -97,6 +105,7 @@ class Engine:
         self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
                                                     config.scheduler)
         self.sampler = Sampler()
+        self.kernel_path = KernelPath(config.kernels, self.device.type)
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputAssembler] = {}
@@ -105,6 +114,7 @@ class Engine:
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
         self.held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
+        self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
 
     # -- models ---------------------------------------------------------------------------
 
@@ -117,7 +127,7 @@ class Engine:
             raise ValueError(f"model {name!r} is already registered from {self.models[name].spec.path}")
         spec = ModelSpec.from_dir(path)
         dtype = getattr(torch, self.config.dtype or spec.torch_dtype)
-        layout = WeightLayout.from_dir(path, dtype=dtype)
+        layout = self.kernel_path.weight_layout(path, dtype)
         kv_shape = _kv_shape(spec, dtype)
         if kv_shape.block_bytes > self.config.slab_bytes:
             raise ValueError(f"model {name!r}: one KV block takes {format_bytes(kv_shape.block_bytes)} but a "
@@ -126,7 +136,8 @@ class Engine:
         from transformers import AutoTokenizer   # heavy import, only where a model is registered
 
         tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
-        self.models[name] = LoadedModel(name, spec, layout, ModelRunner(spec, self.device), tokenizer, dtype)
+        runner = ModelRunner(spec, self.device, self.config.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
+        self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype)
         self.estimator.register_model(name, layout.total_bytes)
         self.policy.add_model(name, kv_shape, layout.total_bytes)
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
@@ -202,6 +213,7 @@ class Engine:
         finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s)
         self.policy.set_resident(self.slots.resident())
         frames = self._emit(output, finished)
+        self.metrics.on_step(output, switch_s, start)
         self._account(output, start, run_start, run_s)
         return frames
 

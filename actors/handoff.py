@@ -105,6 +105,7 @@ class KVHandoff:
             engine.reattach(request_id)
             return None
         self.exports[request_id] = (transport, desc)
+        engine.metrics.handoff_started(request_id)
         assembler = engine.held[request_id][1]
         state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
                                              request.sampling_params, request.slo, request.arrival_time).to_dict(),
@@ -118,6 +119,7 @@ class KVHandoff:
         try:
             transport.release(desc)
         finally:
+            engine.metrics.handoff_finished(request_id, desc.model, desc.nbytes, handed_off)
             if handed_off:
                 engine.release_held(request_id)
                 self.num_handed_off += 1

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from actors.weight_layout import WeightLayout
+from actors.packed_linear import pack_into
+from actors.weight_layout import WeightLayout, numel
 
 logger = logging.getLogger(__name__)
 
@@ -171,22 +172,35 @@ def _map_file(path: Path, size: int) -> mmap.mmap:
 
 
 def _read_checkpoint(layout: WeightLayout, flat: torch.Tensor) -> None:
-    """Read every tensor's raw bytes straight into its place in `flat` (converting dtype if asked)."""
-    handles = {}
+    """Write every entry's bytes into its place in `flat`: a tensor stored as the layout wants
+    it is read straight in; a converted, fused or packed one is read, then built there."""
+    handles: dict[str, object] = {}
+
+    def read(src, dtype: torch.dtype) -> torch.Tensor:
+        f = handles.get(src.file) or handles.setdefault(src.file, open(src.file, "rb"))
+        raw = bytearray(numel(src.shape) * src.file_dtype.itemsize)
+        f.seek(src.file_offset)
+        if f.readinto(raw) != len(raw):
+            raise ValueError(f"{src.file}: short read for {src.name}")
+        return torch.frombuffer(raw, dtype=src.file_dtype).view(src.shape).to(dtype) if raw else \
+            torch.empty(src.shape, dtype=dtype)
+
     try:
         for e in layout.entries:
-            f = handles.get(e.file) or handles.setdefault(e.file, open(e.file, "rb"))
-            f.seek(e.file_offset)
             dst = flat[e.offset:e.offset + e.nbytes]
-            if e.file_dtype == e.dtype:
+            src = e.sources[0]
+            if len(e.sources) == 1 and e.packed is None and src.file_dtype == e.dtype:
+                f = handles.get(src.file) or handles.setdefault(src.file, open(src.file, "rb"))
+                f.seek(src.file_offset)
                 n = f.readinto(memoryview(dst.numpy()))
                 if n != e.nbytes:
-                    raise ValueError(f"{e.file}: short read for {e.name} ({n} of {e.nbytes} bytes)")
+                    raise ValueError(f"{src.file}: short read for {e.name} ({n} of {e.nbytes} bytes)")
+                continue
+            tensor = torch.cat([read(s, e.dtype) for s in e.sources])   # [sum of dim 0, ...]
+            if e.packed is not None:
+                pack_into(dst, tensor, e.packed)
             else:
-                raw = bytearray(e.nbytes // e.dtype.itemsize * e.file_dtype.itemsize)
-                if f.readinto(raw) != len(raw):
-                    raise ValueError(f"{e.file}: short read for {e.name}")
-                dst.view(e.dtype).copy_(torch.frombuffer(raw, dtype=e.file_dtype).to(e.dtype))
+                dst.view(e.dtype).view(e.shape).copy_(tensor)
     finally:
         for f in handles.values():
             f.close()

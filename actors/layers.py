@@ -73,43 +73,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: # [T, H] -> [T, H]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-
-
 def paged_attention(
     q: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    block_index: tuple[torch.Tensor, torch.Tensor],
+    kv_windows: torch.Tensor,
+    block_offsets: torch.Tensor,
     mask: torch.Tensor,
     unwritten: torch.Tensor,
     batch_shape: tuple[int, int],
     token_index: tuple[torch.Tensor, torch.Tensor] | None,
+    num_kv_heads: int,
 ) -> torch.Tensor:
     """Attention of the new tokens over each sequence's cached context.
 
-    q           # [T, Hq, D] new tokens of all sequences, packed in chunk order
-    kv_blocks   # [slabs, blocks_per_slab * L * 2, 16 * Hkv * D] the pool, one row per (block, layer, K|V)
-    block_index (slab, row) # [2 * B * NB] each: this layer's K blocks then V blocks, per sequence
-    mask        # [B, 1, G * Tq, NB * 16] additive: 0 = may attend (causal, window), -inf = not
-    unwritten   # [U] flat (seq * NB * 16 + position) past each sequence's context: slots never written
-                (a fresh or reused pool) may hold NaN, which a -inf mask does not cancel
-    batch_shape (B, Tq): sequences and the longest chunk
-    token_index (seq, offset) of each packed token in the [B, Tq] grid; None when every
-                chunk has Tq tokens (decode), so packing is a plain view
-    returns     # [T, Hq * D]
+    q             # [T, Hq, D] new tokens of all sequences, packed in chunk order
+    kv_windows    # [pool elements - R + 1, R] window e = the R = 16 * Hkv * D pool elements from e on
+    block_offsets # [2 * B * NB] where this layer's K blocks, then V blocks, of each sequence start
+    mask          # [B, 1, G * Tq, NB * 16] additive: 0 = may attend (causal, window), -inf = not
+    unwritten     # [U] flat (seq * NB * 16 + position) past each sequence's context, or bool [B, NB * 16]
+                  True where written (static shape, for CUDA graphs): slots never written (a fresh or
+                  reused pool) may hold NaN, which a -inf mask does not cancel
+    batch_shape   (B, Tq): sequences and the longest chunk
+    token_index   (seq, offset) of each packed token in the [B, Tq] grid; None when every
+                  chunk has Tq tokens (decode), so packing is a plain view
+    returns       # [T, Hq * D]
     """
     T, num_heads, head_dim = q.shape
     B, Tq = batch_shape
-    ctx = kv_blocks[block_index].view(2, B, -1, kv_blocks.shape[-1] // head_dim // 16, head_dim)
-    ctx.view(2, -1, kv_blocks.shape[-1] // 16).index_fill_(1, unwritten, 0.0)  # our gathered copy, not the pool
-    num_kv_heads = ctx.shape[3]
+    ctx = kv_windows.index_select(0, block_offsets).view(2, B, -1, num_kv_heads, head_dim)  # our copy, not the pool
+    if unwritten.dtype == torch.bool:
+        ctx = torch.where(unwritten[None, :, :, None, None], ctx, 0.0)
+    else:
+        ctx.view(2, -1, num_kv_heads * head_dim).index_fill_(1, unwritten, 0.0)
     group = num_heads // num_kv_heads
     k = ctx[0].transpose(1, 2)  # [B, Hkv, S, D]
     v = ctx[1].transpose(1, 2)
     if token_index is None:
-        qp = q.view(B, Tq, num_heads, head_dim)
+        qp = q.reshape(B, Tq, num_heads, head_dim)
     else:
         qp = q.new_zeros(B, Tq, num_heads, head_dim)
         qp[token_index] = q

@@ -8,8 +8,12 @@ chunk's last token. All chunks of a step go through the linear layers packed tog
 as one [T, hidden] matrix; attention runs batched over a [B, Tq] grid of sequences.
 
 The weights are not ours: `params` holds views into a slot buffer owned by the weight
-cache, used as they are (no copies, no fusing). What is derived once per model (RoPE
-frequencies, parameter names) lives on the runner.
+cache, used as they are (no copies at step time). Which tensors they are, and the
+arithmetic of a layer over them, is the runner's `kernels` (actors/layer_kernels.py): the
+reference (transformers' arithmetic, the checkpoint's own tensors) or the fast path
+(fused, packed). What is derived once per model (RoPE frequencies, parameter names)
+lives on the runner. On CUDA, decode steps replay captured graphs (actors/cuda_graphs.py),
+applied in `forward` and nowhere else.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from actors.layers import Rope, apply_rope, mlp, paged_attention, rms_norm
+from actors.cuda_graphs import DecodeGraphs
+from actors.layer_kernels import EMBED, FINAL_NORM, make_kernels
+from actors.layers import Rope
 from actors.model_spec import ModelSpec
 from scheduler.kv_blocks import BLOCK_SIZE
 
@@ -41,74 +47,97 @@ class _Step:
     positions: torch.Tensor     # [T]
     slot_slabs: torch.Tensor    # [T] slab of each new token's block
     slot_rows: torch.Tensor     # [T] row of each new token's K inside its slab (per-token view), layer 0
-    block_slabs: torch.Tensor   # [2 * B * NB] slab of every sequence's blocks, K then V
-    block_rows: torch.Tensor    # [2 * B * NB] K then V block rows inside their slabs, layer 0
+    block_offsets: torch.Tensor  # [2 * B * NB] element offset in the pool of every sequence's K then V
+                                 # blocks, layer 0 (a layer's blocks start 2 * layer block rows later)
     mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
-    unwritten: torch.Tensor     # [U] flat (seq * NB * 16 + position) of gathered positions >= context length
+    unwritten: torch.Tensor     # [U] flat (seq * NB * 16 + position) of gathered positions >= context length,
+                                # or (CUDA graphs, static shape) bool [B, NB * 16]: True where written
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
+    ctx_lens: torch.Tensor      # [B] positions each sequence attends over after this step
     batch_shape: tuple[int, int]
     token_index: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, device: torch.device | str):
+    def __init__(self, spec: ModelSpec, device: torch.device | str, kernels: str = "reference",
+                 cuda_graphs: bool = False):
         self.spec = spec
         self.device = torch.device(device)
         self.rope = Rope(spec, self.device)
         self.group = spec.num_heads // spec.num_kv_heads
-        self.layer_names = [_layer_names(i, spec.attention_bias) for i in range(spec.num_layers)]
-        self.lm_head_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        self.kernels = make_kernels(kernels, spec, self.device)
+        self.graphs = DecodeGraphs(self._forward_step, self.device) if cuda_graphs else None
 
     @torch.inference_mode()
     def forward(self, params: dict[str, torch.Tensor], chunks: list[SeqChunk], kv: torch.Tensor) -> torch.Tensor:
         """# -> [B, vocab] float32 logits of each chunk's last token."""
-        spec = self.spec
-        kv_tokens, kv_blocks = self._pool_views(kv)
-        embed = params["model.embed_tokens.weight"]
+        embed = params[EMBED]
         if kv.dtype != embed.dtype:
             raise ValueError(f"kv dtype {kv.dtype} differs from the weights' dtype {embed.dtype}")
-        step = self._prepare(chunks, kv.shape[0], kv.shape[1], embed.dtype)
-        x = F.embedding(step.input_ids, embed)  # [T, hidden]
+        bucket = self.graphs.bucket(chunks) if self.graphs is not None else None   # None: run eagerly
+        step = self._prepare(chunks, kv, embed.dtype, bucket)
+        if bucket is None:
+            return self._forward_step(params, step, kv)
+        return self.graphs.replay(params, step, kv, bucket)[:len(chunks)]
+
+    def _forward_step(self, params: dict[str, torch.Tensor], step: _Step, kv: torch.Tensor) -> torch.Tensor:
+        """The forward over prepared index tensors (what a CUDA graph captures)."""
+        spec, kernels = self.spec, self.kernels
+        kv_tokens, kv_windows, kv_flat = self._pool_views(kv)
+        x = F.embedding(step.input_ids, params[EMBED])  # [T, hidden]
         cos, sin = self.rope.cos_sin(step.positions, x.dtype)
-        T, H, Hkv, D = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        for layer, names in enumerate(self.layer_names):
-            h = rms_norm(x, params[names["input_norm"]], spec.rms_norm_eps)
-            q = F.linear(h, params[names["q"]], _bias(params, names["q_bias"])).view(T, H, D)
-            k = F.linear(h, params[names["k"]], _bias(params, names["k_bias"])).view(T, Hkv, D)
-            v = F.linear(h, params[names["v"]], _bias(params, names["v_bias"]))  # [T, Hkv * D]
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+        T, Hkv, D = x.shape[0], spec.num_kv_heads, spec.head_dim
+        block_row = BLOCK_SIZE * Hkv * D   # elements of one layer's K (or V) of one block
+        for layer, names in enumerate(kernels.names):
+            h = kernels.norm(x, params[names.input_norm])
+            q, k, v = kernels.qkv(params, names, h, cos, sin)   # [T, H, D], [T, Hkv, D], [T, Hkv * D]
             # Pool layout per block: [L, 2, 16, Hkv, D]; a layer's K rows start at 2*16*layer.
             k_rows = step.slot_rows + 2 * BLOCK_SIZE * layer
-            kv_tokens.index_put_((step.slot_slabs, k_rows), k.view(T, Hkv * D))
+            kv_tokens.index_put_((step.slot_slabs, k_rows), k.reshape(T, Hkv * D))
             kv_tokens.index_put_((step.slot_slabs, k_rows + BLOCK_SIZE), v)
-            attn = paged_attention(q, kv_blocks, (step.block_slabs, step.block_rows + 2 * layer), step.mask, step.unwritten,
-                                   step.batch_shape, step.token_index)
-            x = x + F.linear(attn, params[names["o"]])
-            h = rms_norm(x, params[names["post_norm"]], spec.rms_norm_eps)
-            x = x + mlp(h, params[names["gate"]], params[names["up"]], params[names["down"]])
-        x = rms_norm(x[step.last_index], params["model.norm.weight"], spec.rms_norm_eps)
-        return F.linear(x, params[self.lm_head_name]).float()
+            attn = kernels.attention(q, kv_windows, kv_flat, step, step.block_offsets + 2 * layer * block_row)
+            x = x + kernels.o(params, names, attn)
+            h = kernels.norm(x, params[names.post_norm])
+            x = x + kernels.mlp(params, names, h)
+        x = kernels.norm(x[step.last_index], params[FINAL_NORM])
+        return kernels.lm_head(params, x)
 
-    def _pool_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool per slab: # [slabs, rows, one token's K or V] and # [slabs, rows, one block's K or V
-        of one layer]. Slabs may be strided (a slab need not be a whole number of this shape's
-        blocks), so rows are addressed as (slab, row inside the slab)."""
+    def _pool_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pool as # [slabs, rows, one token's K or V] (rows addressed as (slab, row inside
+        the slab): a slab need not be a whole number of this shape's blocks), and as
+        overlapping windows # [elements - R + 1, R] where window e is the R = 16 * Hkv * D
+        elements from element e on: one layer's K or V of the block starting there. Gathering
+        windows by element offset is one `index_select` (a row copy each), several times
+        faster than advanced indexing by (slab, row), and needs no regular row grid. Third:
+        the same elements as one flat tensor, for kernels that take element offsets."""
+        self._check_pool(kv)
+        row = self.spec.num_kv_heads * self.spec.head_dim
+        per_slab = kv.flatten(1)   # [slabs, blocks_per_slab * block elements], a view
+        window = BLOCK_SIZE * row
+        num_elements = (kv.shape[0] - 1) * kv.stride(0) + per_slab.shape[1]
+        windows = kv.as_strided((num_elements - window + 1, window), (1, 1), kv.storage_offset())
+        flat = kv.as_strided((num_elements,), (1,), kv.storage_offset())
+        return per_slab.view(kv.shape[0], -1, row), windows, flat
+
+    def _check_pool(self, kv: torch.Tensor) -> None:
         spec = self.spec
         expected = (spec.num_layers, 2, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
         if kv.dim() != 7 or tuple(kv.shape[2:]) != expected:
             raise ValueError(f"kv must be [slabs, blocks_per_slab, {', '.join(map(str, expected))}], got {list(kv.shape)}")
         if not kv[0].is_contiguous():
             raise ValueError("kv must be a view of the pool whose slabs are contiguous")
-        row = spec.num_kv_heads * spec.head_dim
-        per_slab = kv.flatten(1)   # [slabs, blocks_per_slab * block elements], a view
-        return per_slab.view(kv.shape[0], -1, row), per_slab.view(kv.shape[0], -1, BLOCK_SIZE * row)
 
-    def _prepare(self, chunks: list[SeqChunk], num_slabs: int, blocks_per_slab: int,
-                 params_dtype: torch.dtype) -> _Step:
+    def _prepare(self, chunks: list[SeqChunk], kv: torch.Tensor, params_dtype: torch.dtype,
+                 bucket: tuple[int, int] | None = None) -> _Step:
+        """Index tensors of one forward. With a (batch, blocks) bucket (CUDA graphs) the step is
+        padded to that static shape: extra sequences repeat the last one (same token, same
+        position, same KV slot, so their writes are the same values), extra blocks repeat a
+        table's first block, and unwritten positions are a mask rather than a list."""
         if not chunks:
             raise ValueError("forward needs at least one chunk")
+        num_slabs, blocks_per_slab, slab_stride = kv.shape[0], kv.shape[1], kv.stride(0)
         L2 = self.spec.num_layers * 2
+        block_row = BLOCK_SIZE * self.spec.num_kv_heads * self.spec.head_dim   # elements of one layer's K of a block
         num_blocks = num_slabs * blocks_per_slab
         input_ids, positions, slot_slabs, slot_rows, seq_of, offset_of, last_index, ctx_lens, tables = ([] for _ in range(9))
         for b, c in enumerate(chunks):
@@ -136,35 +165,43 @@ class ModelRunner:
             tables.append(table)
         if min(input_ids) < 0 or max(input_ids) >= self.spec.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
-        B, T = len(chunks), len(input_ids)
-        Tq = max(len(c.token_ids) for c in chunks)
         NB = max(len(t) for t in tables)
+        if bucket is not None:
+            pad = bucket[0] - len(chunks)
+            for values in (input_ids, positions, slot_slabs, slot_rows, ctx_lens, tables):
+                values += values[-1:] * pad
+            seq_of += range(len(chunks), bucket[0])
+            offset_of += [0] * pad
+            last_index += range(len(chunks), bucket[0])
+            NB = bucket[1]
+        B, T = len(tables), len(input_ids)
+        Tq = max(len(c.token_ids) for c in chunks)
         # Short tables are padded with their own first block; the mask hides the padding.
         padded = [g for t in tables for g in t + [t[0]] * (NB - len(t))]
-        block_slabs = [g // blocks_per_slab for g in padded]
-        block_rows = [g % blocks_per_slab * L2 for g in padded]
+        block_offsets = [g // blocks_per_slab * slab_stride + g % blocks_per_slab * L2 * block_row for g in padded]
         S = NB * BLOCK_SIZE
-        unwritten = [b * S + p for b, ctx in enumerate(ctx_lens) for p in range(ctx, S)]
+        unwritten = [] if bucket else [b * S + p for b, ctx in enumerate(ctx_lens) for p in range(ctx, S)]
+        starts = [ctx - Tq for ctx in ctx_lens] if bucket else [c.start_pos for c in chunks]
         ints = torch.tensor(
-            input_ids + positions + slot_slabs + slot_rows + block_slabs + block_rows + last_index + seq_of + offset_of
-            + [c.start_pos for c in chunks] + unwritten,
+            input_ids + positions + slot_slabs + slot_rows + block_offsets + last_index + seq_of + offset_of
+            + starts + ctx_lens + unwritten,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
-        (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, block_slabs_t, block_rows_t, last_t, seq_t, offset_t,
-         start_t, unwritten_t) = ints.split([T, T, T, T, B * NB, B * NB, B, T, T, B, len(unwritten)])
-        block_rows_t = torch.cat([block_rows_t, block_rows_t + 1])
-        block_slabs_t = torch.cat([block_slabs_t, block_slabs_t])
+        (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, block_offsets_t, last_t, seq_t, offset_t,
+         start_t, ctx_t, unwritten_t) = ints.split([T, T, T, T, B * NB, B, T, T, B, B, len(unwritten)])
+        if bucket:
+            unwritten_t = torch.arange(S, device=self.device) < ctx_t[:, None]   # [B, S] True where written
         uniform = T == B * Tq
         return _Step(
             input_ids=input_ids_t,
             positions=positions_t,
             slot_slabs=slot_slabs_t,
             slot_rows=slot_rows_t,
-            block_slabs=block_slabs_t,
-            block_rows=block_rows_t,
-            mask=self._mask(start_t, Tq, NB * BLOCK_SIZE, params_dtype),
+            block_offsets=torch.cat([block_offsets_t, block_offsets_t + block_row]),   # K blocks, then V blocks
+            mask=self._mask(start_t, Tq, S, params_dtype),
             unwritten=unwritten_t,
             last_index=last_t,
+            ctx_lens=ctx_t,
             batch_shape=(B, Tq),
             token_index=None if uniform else (seq_t, offset_t),
         )
@@ -185,25 +222,3 @@ class ModelRunner:
         B = start.shape[0]
         additive = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
         return additive[:, None, None].expand(B, 1, self.group, Tq, S).reshape(B, 1, self.group * Tq, S)
-
-
-def _bias(params: dict[str, torch.Tensor], name: str | None) -> torch.Tensor | None:
-    return None if name is None else params[name]
-
-
-def _layer_names(i: int, bias: bool) -> dict[str, str | None]:
-    p = f"model.layers.{i}."
-    return {
-        "input_norm": p + "input_layernorm.weight",
-        "post_norm": p + "post_attention_layernorm.weight",
-        "q": p + "self_attn.q_proj.weight",
-        "k": p + "self_attn.k_proj.weight",
-        "v": p + "self_attn.v_proj.weight",
-        "o": p + "self_attn.o_proj.weight",
-        "q_bias": p + "self_attn.q_proj.bias" if bias else None,
-        "k_bias": p + "self_attn.k_proj.bias" if bias else None,
-        "v_bias": p + "self_attn.v_proj.bias" if bias else None,
-        "gate": p + "mlp.gate_proj.weight",
-        "up": p + "mlp.up_proj.weight",
-        "down": p + "mlp.down_proj.weight",
-    }

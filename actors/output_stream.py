@@ -29,6 +29,7 @@ class OutputAssembler:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.num_prompt_tokens = request.num_prompt_tokens
+        self._searched = 0   # text before this was searched for stops (a match would have ended it)
 
     def frame(self, request: Request) -> tuple[OutputFrame, bool]:
         """The frame of tokens produced since the last call, and whether a stop string ended it."""
@@ -40,7 +41,9 @@ class OutputAssembler:
         stopped = False
         end = len(text)
         if self.stops:
-            cut = find_stop(text, self.stops)
+            # only a stop string ending in the new text can be new: search from where one could start
+            cut = find_stop(text, self.stops, start=self._searched - self.holdback)
+            self._searched = len(text)
             if cut is not None:
                 end, stopped = cut, True
             elif not request.is_finished:
@@ -48,6 +51,6 @@ class OutputAssembler:
         delta = text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         finish = request.status.finish_reason if request.is_finished else None
-        frame = OutputFrame(request.request_id, list(new_ids), delta, list(times), finish,
+        frame = OutputFrame(request.request_id, new_ids, delta, times, finish,   # slices: already copies
                             num_prompt_tokens=self.num_prompt_tokens)
         return frame, stopped

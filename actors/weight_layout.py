@@ -8,6 +8,10 @@ vectorised kernels whatever the dtype.
 
 Tied embeddings: when config.json says `tie_word_embeddings`, a stored `lm_head.weight`
 is dropped (the runner uses `model.embed_tokens.weight` for both).
+
+The runner's fast path asks for a different set of tensors (a plan: q/k/v and gate/up
+fused, large linear weights packed for oneDNN); the layout then holds THOSE bytes, the
+host cache builds them once when it fills, and a swap-in is still one bulk copy.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 
 from actors.model_spec import CheckpointError, _safetensors_files, read_safetensors_header
+from actors.packed_linear import PackedFormat, packed_format
 
 ALIGN = 64
 
@@ -34,24 +39,47 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 @dataclass(frozen=True)
+class TensorSource:
+    """One tensor's bytes in a safetensors file."""
+
+    name: str
+    file: str                    # safetensors file
+    file_offset: int             # absolute byte offset of its data in that file
+    file_dtype: torch.dtype      # dtype as stored in the file
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor the runner wants in the flat buffer, made of checkpoint tensors."""
+
+    name: str
+    sources: tuple[str, ...]     # checkpoint tensor names, concatenated along dim 0
+    pack: bool = False           # oneDNN-packed linear weight (actors/packed_linear.py)
+
+
+@dataclass(frozen=True)
 class WeightEntry:
     name: str
     offset: int                  # byte offset in the flat buffer (multiple of ALIGN)
     shape: tuple[int, ...]
     dtype: torch.dtype           # dtype in the flat buffer (after any conversion)
     nbytes: int                  # bytes in the flat buffer
-    file: str                    # safetensors file the tensor comes from
-    file_offset: int             # absolute byte offset of its data in that file
-    file_dtype: torch.dtype      # dtype as stored in the file
+    sources: tuple[TensorSource, ...]       # one for a checkpoint tensor as it is; several when fused
+    packed: PackedFormat | None = None      # None: row-major; else oneDNN's blocked layout
 
     def __post_init__(self) -> None:
         if self.offset % ALIGN:
             raise ValueError(f"{self.name}: offset {self.offset} is not {ALIGN}-byte aligned")
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        if self.nbytes != numel * self.dtype.itemsize:
-            raise ValueError(f"{self.name}: nbytes {self.nbytes} != numel {numel} x {self.dtype}")
+        n = numel(self.shape)
+        expected = self.packed.nbytes if self.packed is not None else n * self.dtype.itemsize
+        if self.nbytes != expected:
+            raise ValueError(f"{self.name}: nbytes {self.nbytes} != {expected} ({n} x {self.dtype}"
+                             f"{', packed' if self.packed else ''})")
+
+    @property
+    def file(self) -> str:
+        return self.sources[0].file
 
 
 @dataclass(frozen=True)
@@ -72,36 +100,33 @@ class WeightLayout:
             raise ValueError(f"entries end at {end} beyond total_bytes {self.total_bytes}")
 
     @classmethod
-    def from_dir(cls, path: str | Path, dtype: torch.dtype | None = None) -> WeightLayout:
-        """Layout of the checkpoint at `path`; `dtype` converts floating tensors (None keeps them)."""
+    def from_dir(cls, path: str | Path, dtype: torch.dtype | None = None,
+                 plan: tuple[PlannedTensor, ...] | None = None) -> WeightLayout:
+        """Layout of the checkpoint at `path`; `dtype` converts floating tensors (None keeps them).
+
+        Without a plan every checkpoint tensor is an entry as it is. A plan names every
+        entry and what it is made of (fused, packed): the runner's fast path; tensors it
+        does not name are left out."""
         root = Path(path).expanduser().resolve()
         if not root.is_dir():
             raise CheckpointError(f"not a model checkpoint: {root} (no such directory)")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"target dtype must be floating point, got {dtype}")
-        tied = _tie_word_embeddings(root)
+        tensors = _checkpoint_tensors(root)   # in file order
+        if plan is None:
+            plan = tuple(PlannedTensor(name, (name,)) for name in tensors
+                         if not (name == "lm_head.weight" and _tie_word_embeddings(root)))
+        order = {name: i for i, name in enumerate(tensors)}
+        for t in plan:
+            missing = [s for s in t.sources if s not in tensors]
+            if missing:
+                raise CheckpointError(f"bad model checkpoint: {root} (no tensor {missing[0]})")
         entries, offset = [], 0
-        for file in _safetensors_files(root):
-            header = read_safetensors_header(file)
-            data_start = 8 + _header_len(file)
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                if tied and name == "lm_head.weight":
-                    continue
-                if info["dtype"] not in SAFETENSORS_DTYPES:
-                    raise CheckpointError(f"bad model checkpoint: {file} ({name} has dtype {info['dtype']})")
-                file_dtype = SAFETENSORS_DTYPES[info["dtype"]]
-                out_dtype = dtype if dtype is not None and file_dtype.is_floating_point else file_dtype
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = info["data_offsets"]
-                numel = 1
-                for d in shape:
-                    numel *= d
-                if end - begin != numel * file_dtype.itemsize:
-                    raise CheckpointError(f"bad model checkpoint: {file} ({name} size does not match its shape)")
-                nbytes = numel * out_dtype.itemsize
-                entries.append(WeightEntry(name, offset, shape, out_dtype, nbytes, str(file),
-                                           data_start + begin, file_dtype))
-                offset = align_up(offset + nbytes)
+        for t in sorted(plan, key=lambda t: order[t.sources[0]]):   # the cold fill reads files front to back
+            sources = tuple(tensors[s] for s in t.sources)
+            entry = _entry(root, t, sources, offset, dtype)
+            entries.append(entry)
+            offset = align_up(offset + entry.nbytes)
         return cls(str(root), tuple(entries), max(offset, ALIGN))
 
     def names(self) -> list[str]:
@@ -110,12 +135,55 @@ class WeightLayout:
     def fingerprint(self) -> str:
         """Changes when the files (path, size, mtime) or the layout change: names a cache entry."""
         h = hashlib.sha256(self.path.encode())
-        for file in sorted({e.file for e in self.entries}):
+        for file in sorted({s.file for e in self.entries for s in e.sources}):
             st = Path(file).stat()
             h.update(f"{file}:{st.st_size}:{st.st_mtime_ns}".encode())
         for e in self.entries:
-            h.update(f"{e.name}:{e.offset}:{e.shape}:{e.dtype}:{e.file_dtype}".encode())
+            parts = ",".join(f"{s.name}:{s.file_dtype}" for s in e.sources)
+            h.update(f"{e.name}:{e.offset}:{e.shape}:{e.dtype}:{parts}".encode())
+            if e.packed is not None:   # the blocked format (CPU ISA, oneDNN version) names the bytes too
+                h.update(hashlib.sha256(e.packed.metadata).digest())
         return h.hexdigest()[:24]
+
+
+def _checkpoint_tensors(root: Path) -> dict[str, TensorSource]:
+    tensors: dict[str, TensorSource] = {}
+    for file in _safetensors_files(root):
+        header = read_safetensors_header(file)
+        data_start = 8 + _header_len(file)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"bad model checkpoint: {file} ({name} has dtype {info['dtype']})")
+            file_dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = info["data_offsets"]
+            if end - begin != numel(shape) * file_dtype.itemsize:
+                raise CheckpointError(f"bad model checkpoint: {file} ({name} size does not match its shape)")
+            tensors[name] = TensorSource(name, str(file), data_start + begin, file_dtype, shape)
+    return tensors
+
+
+def _entry(root: Path, t: PlannedTensor, sources: tuple[TensorSource, ...], offset: int,
+           dtype: torch.dtype | None) -> WeightEntry:
+    first = sources[0]
+    if any(s.shape[1:] != first.shape[1:] or s.file_dtype != first.file_dtype for s in sources):
+        raise CheckpointError(f"bad model checkpoint: {root} ({t.name}: {', '.join(t.sources)} do not concatenate)")
+    out_dtype = dtype if dtype is not None and first.file_dtype.is_floating_point else first.file_dtype
+    shape = (sum(s.shape[0] for s in sources), *first.shape[1:]) if first.shape else ()
+    packed = None
+    if t.pack:
+        if len(shape) != 2:
+            raise ValueError(f"{t.name}: only 2-D linear weights can be packed, got shape {shape}")
+        packed = packed_format(shape, out_dtype)
+    nbytes = packed.nbytes if packed is not None else numel(shape) * out_dtype.itemsize
+    return WeightEntry(t.name, offset, shape, out_dtype, nbytes, sources, packed)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _header_len(file: Path) -> int:

@@ -2,7 +2,8 @@
 
 A swap-in is ONE bulk copy, host cache flat buffer -> slot bytes, because both sides use
 the same WeightLayout; no per-tensor work happens on that path. `params(model)` hands
-the runner typed views into the slot, built once per (slot, model) and cached.
+the runner typed views into the slot, built once per (slot, model) and cached; a weight
+packed for oneDNN is viewed as an mkldnn tensor over the same slot bytes.
 
 Slots are reused least-recently-used first. The model the engine is running (the last
 `ensure_resident`) and a model whose prefetch is in flight are never taken by a
@@ -23,6 +24,7 @@ import torch
 
 from actors.device_memory import DeviceMemory
 from actors.host_cache import HostWeightCache
+from actors.packed_linear import packed_view
 from actors.weight_layout import WeightLayout
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class WeightSlots:
         self.layouts[model] = layout
 
     def resident(self) -> set[str]:
-        self._settle()
+        if self._inflight:
+            self._settle()
         return set(self._lru)
 
     def ensure_resident(self, model: str) -> float:
@@ -147,8 +150,7 @@ class WeightSlots:
         views = self._views.get((slot, model))
         if views is None:
             flat = self.mem.slot(slot)
-            views = {e.name: flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                     for e in self.layouts[model].entries}
+            views = {e.name: _view(flat[e.offset:e.offset + e.nbytes], e) for e in self.layouts[model].entries}
             self._views[(slot, model)] = views
         return views
 
@@ -195,3 +197,10 @@ class WeightSlots:
         self._stats.swap_bytes += nbytes
         self._stats.per_model[model] = self._stats.per_model.get(model, 0) + 1
         logger.debug("weights: %s -> slot %d (%.1f MB)", model, slot, nbytes / 1e6)
+
+
+def _view(data: torch.Tensor, entry) -> torch.Tensor:
+    """# uint8 [entry.nbytes] of a slot -> the entry's tensor, no copy."""
+    if entry.packed is not None:
+        return packed_view(data, entry.shape, entry.dtype, entry.packed)
+    return data.view(entry.dtype).view(entry.shape)

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 from actors.engine import Engine, EngineConfig
 from actors.handoff import HandoffState, relay_handoff
+from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class DeviceWorker:
         self.streams: dict[str, _Stream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
+        self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
         self.started = time.time()
 
     async def ready(self) -> str:
@@ -236,6 +238,7 @@ class DeviceWorker:
 
     async def close(self) -> None:
         """Before the actor is killed: stop stepping and unlink the shared KV files (a kill skips __del__)."""
+        self.metrics.stop()
         self.engine_loop.stop()
         self.handoff.close()
 
@@ -269,6 +272,9 @@ class DeviceWorker:
                      handoff={"handed_off": self.handoff.num_handed_off, "adopted": self.handoff.num_adopted,
                               "recomputed": self.handoff.num_recomputed})
         return stats
+
+    async def telemetry(self) -> dict:
+        return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`
 
     async def timeline(self) -> list[tuple]:
         return await asyncio.wrap_future(self.engine_loop.call(lambda: list(self.engine.timeline)))

@@ -26,6 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from cluster.control_metrics import PlacementMetrics
 from scheduler.messages import PLACEMENT_NAME
 from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
 from scheduler.routing import WorkerView
@@ -69,6 +70,7 @@ class PlacementService:
         self._plan: PlacementPlan | None = None
         self._lock = asyncio.Lock()
         self._loop_task: asyncio.Task | None = None
+        self._metrics = PlacementMetrics()
 
     async def start(self) -> None:
         """Attach to the router and start the periodic replan (idempotent)."""
@@ -105,6 +107,7 @@ class PlacementService:
             plan = await self._register(plan, views, handles)
             await self._set_roles(plan, views, handles)
             await router.set_plan.remote(plan.to_dict())
+            self._metrics.plan_applied(self._plan, plan)
             self._plan = plan
             await self._unregister(plan, views, handles)
             return plan.to_dict()

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from cluster.control_metrics import RouterMetrics
 from scheduler.placement import ModelLoad, PlacementPlan
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.messages import ROUTER_NAME
@@ -57,6 +58,7 @@ class GlobalRouter:
         self._placement = None              # PlacementService handle, told when a model runs hot
         self._last_hot_trigger: dict[str, float] = {}
         self._poller: asyncio.Task | None = None
+        self._metrics = RouterMetrics()
 
     # ---- membership ------------------------------------------------------------------
 
@@ -92,8 +94,13 @@ class GlobalRouter:
         """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError."""
         self._ensure_poller()
         views = self._views()
-        worker_id = self._policy.pick(model, views, SLO(**slo) if slo else None, self._plan)
+        try:
+            worker_id = self._policy.pick(model, views, SLO(**slo) if slo else None, self._plan)
+        except NoWorkerError:
+            self._metrics.no_worker(model)
+            raise
         self._tracker.dispatched(worker_id, model, time.monotonic())
+        self._metrics.dispatched(model, worker_id)
         self._maybe_scale_out(model, views)
         return worker_id, self._workers[worker_id].handle
 
@@ -211,6 +218,7 @@ class GlobalRouter:
         while True:
             try:
                 await asyncio.gather(*(self._refresh(wid) for wid in list(self._workers)))
+                self._metrics.inflight(self._tracker, list(self._workers))
             except Exception:   # never let one bad poll end polling
                 logger.exception("router: stats poll failed")
             await asyncio.sleep(self._poll_interval_s)

@@ -32,19 +32,32 @@ class OnlineLinearFit:
 
     x[0] is the intercept feature (1.0). A small ridge on the other coefficients keeps the
     solution defined before the data spans every direction (then those slopes stay ~0).
+
+    The fit is redone lazily: the sums are updated on every observation (cheap), but the
+    solve (a few 3x3 systems, ~40 us of Python) only after `refit_every` observations, or
+    sooner when one is off the current fit by more than `refit_tol` (relative: a change of
+    regime, not step-to-step noise). The engine observes every step, and one observation
+    barely moves a fit over ~1 / (1 - forget) of them, so solving every step bought nothing.
     """
 
-    def __init__(self, num_features: int, forget: float = 0.99, ridge: float = 1e-6):
+    def __init__(self, num_features: int, forget: float = 0.99, ridge: float = 1e-6,
+                 refit_tol: float = 0.5, refit_every: int = 16):
         if not 0 < forget <= 1:
             raise ValueError(f"forget must be in (0, 1], got {forget!r}")
+        if refit_tol < 0 or refit_every < 1:
+            raise ValueError(f"refit_tol must be >= 0 and refit_every >= 1, got {refit_tol!r}, {refit_every!r}")
         self.num_features = num_features
         self.forget = forget
         self.ridge = ridge
+        self.refit_tol = refit_tol
+        self.refit_every = refit_every
         self.num_observations = 0
+        self.num_fits = 0
         self._xtx = [[0.0] * num_features for _ in range(num_features)]
         self._xty = [0.0] * num_features
         self._yty = 0.0
         self._coef: list[float] | None = None
+        self._stale = 0   # observations since the last solve
 
     def observe(self, x, y: float, weight: float = 1.0, forget: float | None = None) -> None:
         if len(x) != self.num_features:
@@ -58,6 +71,15 @@ class OnlineLinearFit:
             for j in range(k):
                 row[j] = lam * row[j] + weight * x[i] * x[j]
         self.num_observations += 1
+        self._stale += 1
+        if self._coef is not None and self._stale < self.refit_every:
+            predicted = sum(c * v for c, v in zip(self._coef, x))
+            if abs(predicted - y) <= self.refit_tol * abs(y):
+                return   # the current fit still explains the data: keep it
+        self._coef = None
+
+    def refit(self) -> None:
+        """Solve now (e.g. after a table of observations, which should fit exactly)."""
         self._coef = None
 
     @property
@@ -66,6 +88,8 @@ class OnlineLinearFit:
             return None
         if self._coef is None:
             self._coef = self._fit_nonnegative_slopes()
+            self._stale = 0
+            self.num_fits += 1
         return self._coef
 
     def _fit_nonnegative_slopes(self) -> list[float]:
@@ -220,6 +244,9 @@ class StepLatencyEstimator:
             self.observe_prefill(model, n_in * batch, batch, prefill_s, _forget=1.0)
             if decode_s >= floor:
                 self.observe_decode(model, batch, n_in * batch, decode_s, _forget=1.0)
+        for fit in (self._prefill.get(model), self._decode.get(model)):
+            if fit is not None:
+                fit.refit()
         count = len(points)
         logger.info("seeded %s from %d profiles in %s", model, count, profile_dir)
         return count

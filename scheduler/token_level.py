@@ -74,6 +74,11 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._reserved: dict[str, list[str]] = {}  # waiting groups the round took in: model -> ids
         self.num_held_rounds = 0  # rounds that held at least one batch
 
+    @property
+    def quotas(self) -> dict[str, float]:
+        """Decode time quota of each model in the current round, seconds (inf: a batch alone)."""
+        return dict(self._quotas)
+
     def _choose(self, now: float) -> SchedulerOutput | None:
         self._observe_overhead(now)
         output = (

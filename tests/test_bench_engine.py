@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
-        "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--threads", "1"]
+        "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--threads", "1",
+        "--metrics-pairs", "2"]
 
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -50,7 +51,9 @@ def test_bench_engine_writes_every_figure(tmp_path):
     assert r["overhead_model_swapping"]["num_swaps"] > 0
     m = r["machine"]
     assert m["cpu_count"] >= 1 and m["torch_threads"] == 1 and m["device"] == "cpu"
-    assert set(r["floors"]) == {"swap_vs_memcpy", "swap_vs_cold_reduction", "decode_vs_hf", "scheduler_overhead_frac"}
+    assert set(r["floors"]) == {"swap_vs_memcpy", "swap_vs_cold_reduction", "decode_vs_hf", "scheduler_overhead_frac",
+                                "metrics_overhead_frac"}
+    assert 0 < r["metrics_record_frac"] < 1 and r["metrics_flush_frac"] > 0 and r["metrics_pairs"] == 2
 
     shape = r["shapes"]["test-tiny"]
     for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "decode_tps", "hf_generate_tps", "decode_vs_hf",

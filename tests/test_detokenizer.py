@@ -82,3 +82,20 @@ def test_partial_stop_len_holds_back_possible_stop_prefixes():
     assert partial_stop_len("hello", ["<|im_end|>"]) == 0
     assert partial_stop_len("abc", ["bcd", "cx"]) == 2
     assert partial_stop_len("", ["x"]) == 0
+
+
+class _SlowTokenizer:
+    """A tokenizer without a `tokenizers` backend: the detokenizer's window path."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_window_path_and_streaming_decoder_emit_the_same_deltas(tokenizer, text):
+    prompt, output = tokenizer.encode("Tell me something."), tokenizer.encode(text)
+    sizes = [random.Random(1).randint(1, 3) for _ in output]
+    fast_detok, fast = _stream(tokenizer, prompt, output, sizes)
+    slow_detok, slow = _stream(_SlowTokenizer(tokenizer), prompt, output, sizes)
+    assert fast_detok._stream is not None and slow_detok._stream is None
+    assert fast == slow and slow_detok.text == text

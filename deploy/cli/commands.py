@@ -296,6 +296,9 @@ def configure_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS, else auto)")
     parser.add_argument("--app", default="tokenmux", help="Serve application name (default tokenmux)")
     parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.add_argument("--watch", action="store_true", help="a live view (tokens/s, alpha, swaps/s, device "
+                        "memory per worker), refreshed in place until Ctrl-C")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
     parser.set_defaults(run=run_status)
 
 
@@ -346,6 +349,10 @@ def run_status(ns: argparse.Namespace) -> int:
     import json
 
     _join(ns.address)
+    if ns.watch:
+        from deploy.cli.status_watch import watch
+
+        return watch(ns.app, ns.interval)
     status = cluster_status(ns.app)
     print(json.dumps(status, indent=2, default=str) if ns.json else format_status(status))
     return 0

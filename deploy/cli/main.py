@@ -124,7 +124,7 @@ def _loadtest(args: argparse.Namespace) -> int:
 def _bench_parser(parser: argparse.ArgumentParser) -> None:
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate}", required=True)
     engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
@@ -135,10 +135,22 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--iters", type=int, default=40, help="measured iterations per figure (default 40)")
     cluster.add_argument("--threads", type=int, default=1, help="torch threads per actor (default 1)")
     cluster.set_defaults(run=_bench_cluster)
+    colocate = sub.add_parser("colocate", help="N agents on one device: time-sliced engine processes vs one "
+                                               "tokenmux engine (prints a table, --json FILE, --plot PNG)")
+    from load_tests.bench.colocate import add_arguments as add_colocate_arguments   # argparse only at import
+
+    add_colocate_arguments(colocate)
+    colocate.set_defaults(run=_bench_colocate)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from load_tests.bench.engine_bench import run
+
+    return run(args)
+
+
+def _bench_colocate(args: argparse.Namespace) -> int:
+    from load_tests.bench.colocate import run
 
     return run(args)
 
@@ -170,6 +182,21 @@ def _shutdown_parser(parser: argparse.ArgumentParser) -> None:
     configure_shutdown(parser)
 
 
+# ---- metrics / dashboard (deploy/cli/observe.py) ----------------------------------------
+
+
+def _metrics_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli.observe import configure_metrics
+
+    configure_metrics(parser)
+
+
+def _dashboard_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli.observe import configure_dashboard
+
+    configure_dashboard(parser)
+
+
 # ---- entry point ----------------------------------------------------------------------
 
 # name -> (one-line help, function that configures the subcommand's parser)
@@ -179,7 +206,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
               _serve_parser),
     "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
     "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
-    "bench": ("benchmarks (engine)", _bench_parser),
+    "bench": ("benchmarks (engine, cluster, colocate)", _bench_parser),
+    "metrics": ("Prometheus scrape config over Ray's service discovery; the metric names", _metrics_parser),
+    "dashboard": ("build the Grafana dashboards, or push them to a Grafana", _dashboard_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),
     "loadtest": ("side-by-side load test: token vs request vs dedicated vs Ray Serve multiplexing", _loadtest_parser),
 }

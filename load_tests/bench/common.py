@@ -93,7 +93,7 @@ def bench_host_cache(nbytes: int = 0):
 
 
 def engine_for(paths: dict[str, Path], *, num_slots: int, tokens_per_model: int, device: torch.device,
-               dtype: str | None, host_cache, policy: str = "token"):
+               dtype: str | None, host_cache, policy: str = "token", kernels: str = "reference"):
     """An Engine with `paths` registered, a slot per `num_slots` and KV room for
     `tokens_per_model` tokens of every model at once (no preemption: we time steps, not queues)."""
     from actors.engine import Engine, EngineConfig
@@ -106,7 +106,7 @@ def engine_for(paths: dict[str, Path], *, num_slots: int, tokens_per_model: int,
     for path in paths.values():
         spec = ModelSpec.from_dir(path)
         model_dtype = tdtype or getattr(torch, spec.torch_dtype)
-        slot_bytes = max(slot_bytes, WeightLayout.from_dir(path, dtype=tdtype).total_bytes)
+        slot_bytes = max(slot_bytes, weight_bytes(path, model_dtype, kernels, device))
         shape = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, model_dtype.itemsize)
         per_slab = SLAB_BYTES // shape.block_bytes
         if per_slab < 1:
@@ -115,11 +115,18 @@ def engine_for(paths: dict[str, Path], *, num_slots: int, tokens_per_model: int,
         kv_bytes += (math.ceil(blocks / per_slab) + 1) * SLAB_BYTES
     config = EngineConfig(device=str(device), budget_bytes=kv_bytes + num_slots * (slot_bytes + 4096),
                           kv_bytes=kv_bytes, num_slots=num_slots, slab_bytes=SLAB_BYTES, host_kv_bytes=0,
-                          policy=policy, dtype=dtype)
+                          policy=policy, dtype=dtype, kernels=kernels)
     engine = Engine(config, host_cache=host_cache)
     for name, path in paths.items():
         engine.register_model(name, path)
     return engine
+
+
+def weight_bytes(path: Path, dtype: torch.dtype, kernels: str, device: torch.device) -> int:
+    """Bytes of `path`'s weights in a slot on this kernel path (packed weights are padded)."""
+    from actors.kernel_path import KernelPath
+
+    return KernelPath(kernels, device.type).weight_layout(path, dtype).total_bytes
 
 
 def run_to_completion(engine, requests, max_steps: int = 1_000_000) -> dict[str, list[int]]:

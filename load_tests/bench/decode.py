@@ -28,13 +28,14 @@ PAD = 2   # the zoo tokenizer's <|pad|>
 
 
 def measure_decode(path: Path, *, device: torch.device, dtype: str | None, batch: int, new_tokens: int,
-                   prompt_tokens: int, repeats: int, host_cache, name: str = "decode-model") -> dict:
+                   prompt_tokens: int, repeats: int, host_cache, name: str = "decode-model",
+                   kernels: str = "fast") -> dict:
     from load_tests.bench.breakdown import EngineCounters, instrument
 
     prompts = make_prompts(batch, prompt_tokens, seed=1)
     max_len = max(map(len, prompts))
     engine = engine_for({name: path}, num_slots=2, tokens_per_model=batch * (max_len + new_tokens),
-                        device=device, dtype=dtype, host_cache=host_cache)
+                        device=device, dtype=dtype, host_cache=host_cache, kernels=kernels)
     hf = _load_hf(path, device, dtype)
     # warm-up: first-call allocations, weights into the slot, HF's lazy init
     run_to_completion(engine, greedy_requests(name, prompts, min(4, new_tokens), "warm"))

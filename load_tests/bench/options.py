@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-SECTIONS = ("swap", "cold", "decode", "overhead")
+SECTIONS = ("swap", "cold", "decode", "overhead", "metrics", "bandwidth")
+DEFAULT_SECTIONS = ("swap", "cold", "decode", "overhead", "metrics")   # bandwidth: decode at batch 1 vs the memory limit
 DTYPES = ("float32", "bfloat16", "float16")
+KERNELS = ("fast", "reference")   # actors/kernel_path.py
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +16,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--kernels", choices=KERNELS, default="fast",
+                        help="engine kernel path: fast (fused, oneDNN-packed / CUDA graphs) or reference "
+                             "(transformers' arithmetic); default fast")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per figure; medians reported")
     parser.add_argument("--swap-repeats", type=int, default=9, help="swap-ins (and raw copies) timed")
     parser.add_argument("--cold-repeats", type=int, default=2,
@@ -24,8 +29,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-models", type=int, default=8, help="models active at once")
     parser.add_argument("--overhead-requests", type=int, default=4, help="requests per model")
     parser.add_argument("--overhead-tokens", type=int, default=32, help="tokens per request")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--metrics-pairs", type=int, default=15,
+                        help="alternating on/off windows (2 s each) of the metrics section")
+    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")
+    parser.add_argument("--shape-sections", help="sections for the --shapes models (default: --sections)")
     parser.add_argument("--shapes", default="",
                         help="also measure random-weight models of real shapes, e.g. llama3-1b,qwen2.5-7b")
     parser.add_argument("--shape-repeats", type=int, default=2, help="repetitions for each --shapes model")
@@ -39,7 +47,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Validate the numbers; returns the selected sections. Bad input -> ValueError."""
     for name in ("repeats", "swap_repeats", "cold_repeats", "batch", "new_tokens", "prompt_tokens",
                  "overhead_models", "overhead_requests", "overhead_tokens", "shape_repeats",
-                 "shape_overhead_models"):
+                 "shape_overhead_models", "metrics_pairs"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -49,8 +57,14 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.prompt_tokens < 5:
         raise ValueError(f"--prompt-tokens must be >= 5 (prompts vary by +-4 tokens), got {args.prompt_tokens}")
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    sections = _sections("--sections", args.sections)
+    args.shape_sections = _sections("--shape-sections", args.shape_sections) if args.shape_sections else sections
+    return sections
+
+
+def _sections(option: str, text: str) -> list[str]:
+    sections = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not sections:
-        raise ValueError(f"--sections: unknown or empty {unknown or sections}; choose from {', '.join(SECTIONS)}")
+        raise ValueError(f"{option}: unknown or empty {unknown or sections}; choose from {', '.join(SECTIONS)}")
     return sections

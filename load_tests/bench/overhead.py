@@ -30,13 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 def measure_overhead(paths: dict[str, Path], *, device: torch.device, dtype: str | None, num_slots: int,
-                     requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache) -> dict:
+                     requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache,
+                     kernels: str = "fast") -> dict:
     from load_tests.bench.breakdown import EngineCounters, instrument
 
     prompts = make_prompts(requests_per_model, prompt_tokens, seed=2)
     max_len = max(map(len, prompts))
     engine = engine_for(paths, num_slots=num_slots, tokens_per_model=requests_per_model * (max_len + new_tokens),
-                        device=device, dtype=dtype, host_cache=host_cache)
+                        device=device, dtype=dtype, host_cache=host_cache, kernels=kernels)
     warm = [r for name in paths for r in greedy_requests(name, prompts[:1], 2, "warm")]
     run_to_completion(engine, warm)   # first-call allocations; every model through a slot once
     breakdown = instrument(engine)

@@ -19,12 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats: int, host_cache,
-                 names: tuple[str, str] = ("swap-a", "swap-b")) -> dict:
+                 names: tuple[str, str] = ("swap-a", "swap-b"), kernels: str = "fast") -> dict:
     from actors.device_memory import SLOT_ALIGN, DeviceMemory
-    from actors.weight_layout import WeightLayout
+    from actors.kernel_path import KernelPath
+    from actors.model_spec import ModelSpec
     from actors.weight_slots import WeightSlots
 
-    layout = WeightLayout.from_dir(path, dtype=torch_dtype(dtype))
+    # the layout the engine's runner reads on this kernel path (packed bytes on the CPU fast path)
+    layout = KernelPath(kernels, device.type).weight_layout(
+        path, torch_dtype(dtype) or getattr(torch, ModelSpec.from_dir(path).torch_dtype))
     nbytes = layout.total_bytes
     memory = DeviceMemory(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN, 0, 1, device)
     slots = WeightSlots(memory, host_cache)
@@ -66,6 +69,7 @@ def measure_swap(path: Path, *, device: torch.device, dtype: str | None, repeats
         "swap_samples_s": swap_s,
         "memcpy_samples_s": memcpy_s,
         "host_cache_pinned": bool(host_cache.pin),
+        "swap_layout": f"{kernels} kernel path ({sum(e.packed is not None for e in layout.entries)} packed tensors)",
         "swap_path": f"WeightSlots.ensure_resident, host cache ({'pinned ' if host_cache.pin else ''}shared "
                      f"memory) -> {device.type} slot; limit: dst.copy_(src) of the same buffers",
     }

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a machine with a CUDA GPU and no internet (under 8 minutes):
+# One-shot GPU check, for a machine with a CUDA GPU and no internet (full mode ~20 minutes, quick ~10):
 #   1. environment: GPU, and which of torch / cupy / ray / ... the python has;
 #   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
 #      package, e.g. ray, is reported and skipped, not counted as a failure);
 #   3. the CUDA IPC KV handoff micro-benchmark (tests/gpu/test_cupy_ipc.py --bench);
-#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs);
-#   5. the side-by-side load test with real-size models: 8 copies of a 7B shape (random bf16
+#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs) on
+#      the fast kernel path (fused weights, CUDA graphs for decode), with its metrics-overhead section
+#      and `decode_vs_bw_limit`: decode at batch 1 of a 7B-shaped bf16 model against
+#      (weight + KV bytes) / measured HBM bandwidth;
+#   5. the colocate benchmark on 7B-shaped models (`tokenmux bench colocate`; full mode only);
+#   6. the side-by-side load test with real-size models: 8 copies of a 7B shape (random bf16
 #      weights) on the one GPU, token-level vs request-level vs Ray Serve multiplexed
 #      (`tokenmux loadtest --published --gpu`, load_tests/published.py; ~6 min, quick ~3 min;
 #      TOKENMUX_GPU_LOADTEST=0 skips it). Its JSON and records go to $OUT/loadtest-gpu/.
@@ -19,8 +23,8 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_USAGE_STATS_ENABLED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-# TOKENMUX_GPU_QUICK=1: a shorter check (~2.5 minutes) for a nearly spent device budget:
-# the gpu tests, and the engine benchmark on llama-100m and one real 1B shape only.
+# TOKENMUX_GPU_QUICK=1: a shorter check (~4 minutes) for a nearly spent device budget: the gpu
+# tests, the engine benchmark on llama-100m, and decode_vs_bw_limit on the mistral-7b shape only.
 QUICK="${TOKENMUX_GPU_QUICK:-0}"
 
 echo "== environment"
@@ -77,16 +81,19 @@ fi
 
 echo "== engine benchmark"
 # llama-100m (bf16) through every section, then random-weight models of real shapes: PCIe
-# swap-in vs raw pinned->device copy, engine vs HF generate, scheduler overhead. ~3 minutes;
-# the JSON is rewritten after each section, so a timeout still leaves the figures so far.
+# swap-in vs raw pinned->device copy, engine vs HF generate, scheduler overhead, decode at
+# batch 1 vs the bandwidth limit. ~6 minutes (quick ~3); the JSON is rewritten after each
+# section, so a timeout still leaves the figures so far. Never run yet: no GPU was lent to
+# the session that wrote the fast path (CUDA graphs, bandwidth section).
 # Run as a module: the GPU machine may have no `tokenmux` script, ray or fastapi.
 if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
     if [ "$QUICK" = 1 ]; then
-        BENCH=(--repeats 2 --swap-repeats 5 --cold-repeats 1 --shapes llama3-1b --shape-repeats 1
-               --shape-overhead-models 4 --max-seconds 70); LIMIT=100
+        BENCH=(--repeats 2 --swap-repeats 5 --cold-repeats 1 --sections swap,decode,overhead,bandwidth
+               --shapes mistral-7b --shape-sections bandwidth --shape-repeats 1 --max-seconds 150); LIMIT=240
     else
-        BENCH=(--repeats 3 --swap-repeats 7 --cold-repeats 1 --shapes llama3-1b,qwen2.5-7b --shape-repeats 2
-               --shape-overhead-models 4 --max-seconds 150); LIMIT=210
+        BENCH=(--repeats 3 --swap-repeats 7 --cold-repeats 1 --sections swap,cold,decode,overhead,bandwidth
+               --shapes llama3-1b,qwen2.5-7b,mistral-7b --shape-sections swap,decode,overhead,bandwidth
+               --shape-repeats 2 --shape-overhead-models 4 --max-seconds 300); LIMIT=420
     fi
     timeout "$LIMIT" "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
         "${BENCH[@]}" --json "$RESULTS/bench-engine.json" 2>&1 \
@@ -99,6 +106,24 @@ if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_avail
     fi
 else
     echo "skipped: CUDA, transformers or safetensors missing"
+fi
+echo "== colocate benchmark (7B-shaped agents: time-sliced processes vs one tokenmux engine)"
+# Each agent's model is a random-weight qwen2.5-7b (bf16, ~15 GB): 1, 2 and 4 agents (8 would need
+# ~120 GB of host cache on top of the device). ~4 minutes; skipped in quick mode.
+if [ "$QUICK" = 1 ]; then
+    echo "skipped: quick mode"
+elif "$PY" -c "import torch, psutil; assert torch.cuda.is_available()" 2>/dev/null; then
+    timeout 300 "$PY" -m load_tests.bench.colocate -v --device cuda --dtype bfloat16 --shape qwen2.5-7b \
+        --agents 1,2,4 --repeats 1 --turns 3 --new-tokens 48 --json "$RESULTS/bench-colocate.json" \
+        --plot "$RESULTS/colocate-gpu.png" 2>&1 | tee "$RESULTS/bench-colocate.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ]; then
+        echo "colocate bench: timed out (partial results in bench-colocate.json)"
+    elif [ "$rc" -ne 0 ]; then
+        echo "colocate bench failed"; status=1
+    fi
+else
+    echo "skipped: CUDA or psutil missing"
 fi
 echo "== side-by-side load test (8 x qwen2.5-7b shape on one GPU: token vs request vs Serve multiplexed)"
 # Needs ray (the contenders are Ray actors and a Serve app); the shape is built once (~15 GB,

@@ -1,0 +1,203 @@
+"""The weights one forward reads, by name, and the arithmetic of a layer over them.
+
+Two real implementations, chosen once per model (EngineConfig.kernels):
+
+- `ReferenceKernels`: the checkpoint's tensors under their own names, one `F.linear` per
+  projection, the arithmetic of transformers step for step (same casts, same order).
+  Greedy output equals `generate()` token for token; the oracle tests run this.
+- `FastKernels`: q/k/v fused into one `[(H + 2 Hkv) * D, hidden]` matrix and gate/up into
+  one `[2 I, hidden]` (4 matmuls a layer instead of 7), RoPE applied to q and k in one
+  pass, fused RMSNorm. The weight layout (`fast_plan`) builds the fused matrices when
+  the host cache is filled and, on CPU, packs every matrix of at least
+  `PACK_MIN_ELEMENTS` for oneDNN (actors/packed_linear.py); smaller ones stay plain
+  because oneDNN's ~15 us per call costs more than it saves there. Each weight's form
+  picks its kernel (`linear`), so nothing downstream asks which path runs. Checked
+  against the reference the way kernel libraries are: logits within 1e-4 relative,
+  greedy divergence only at near ties (tests/test_fast_path.py).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from actors import packed_linear, paged_attention_cpu
+from actors.layers import apply_rope, paged_attention, rms_norm
+from actors.model_spec import ModelSpec
+from actors.weight_layout import PlannedTensor
+
+PACK_MIN_ELEMENTS = 1 << 19   # measured on AVX-512: below ~0.5M weights oneDNN's call overhead wins
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Parameter names of one decoder layer (None: the checkpoint has no such tensor)."""
+
+    input_norm: str
+    post_norm: str
+    q: str
+    k: str
+    v: str
+    o: str
+    gate: str
+    up: str
+    down: str
+    qkv: str
+    gate_up: str
+    q_bias: str | None = None
+    k_bias: str | None = None
+    v_bias: str | None = None
+    o_bias: str | None = None
+    gate_bias: str | None = None
+    up_bias: str | None = None
+    down_bias: str | None = None
+    qkv_bias: str | None = None
+    gate_up_bias: str | None = None
+
+
+def layer_names(spec: ModelSpec, i: int) -> LayerNames:
+    p, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    qkv_bias = spec.attention_bias                                  # qwen2 always; llama when configured
+    o_bias = spec.attention_bias and spec.model_type == "llama"     # llama's flag covers o_proj too
+    mlp_bias = spec.mlp_bias
+    return LayerNames(
+        input_norm=p + "input_layernorm.weight", post_norm=p + "post_attention_layernorm.weight",
+        q=attn + "q_proj.weight", k=attn + "k_proj.weight", v=attn + "v_proj.weight", o=attn + "o_proj.weight",
+        gate=mlp + "gate_proj.weight", up=mlp + "up_proj.weight", down=mlp + "down_proj.weight",
+        qkv=attn + "qkv_proj.weight", gate_up=mlp + "gate_up_proj.weight",
+        q_bias=attn + "q_proj.bias" if qkv_bias else None, k_bias=attn + "k_proj.bias" if qkv_bias else None,
+        v_bias=attn + "v_proj.bias" if qkv_bias else None, o_bias=attn + "o_proj.bias" if o_bias else None,
+        gate_bias=mlp + "gate_proj.bias" if mlp_bias else None, up_bias=mlp + "up_proj.bias" if mlp_bias else None,
+        down_bias=mlp + "down_proj.bias" if mlp_bias else None,
+        qkv_bias=attn + "qkv_proj.bias" if qkv_bias else None,
+        gate_up_bias=mlp + "gate_up_proj.bias" if mlp_bias else None,
+    )
+
+
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+
+
+def fast_plan(spec: ModelSpec, pack: bool) -> tuple[PlannedTensor, ...]:
+    """Every tensor of the fast layout and the checkpoint tensors it is made of. With tied
+    embeddings the lm_head is a second copy of the embedding: packed for the matmul, while
+    the lookup reads the plain one (a small tied head is just the embedding)."""
+    def big(*shapes: tuple[int, int]) -> bool:
+        return pack and sum(s[0] for s in shapes) * shapes[0][1] >= PACK_MIN_ELEMENTS
+
+    H, Hkv, D, I, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.hidden_size
+    plan = [PlannedTensor(EMBED, (EMBED,))]
+    if not spec.tie_word_embeddings or big((spec.vocab_size, hidden)):
+        plan.append(PlannedTensor(LM_HEAD, (EMBED if spec.tie_word_embeddings else LM_HEAD,),
+                                  big((spec.vocab_size, hidden))))
+    for i in range(spec.num_layers):
+        n = layer_names(spec, i)
+        plan += [PlannedTensor(n.input_norm, (n.input_norm,)), PlannedTensor(n.post_norm, (n.post_norm,)),
+                 PlannedTensor(n.qkv, (n.q, n.k, n.v), big(((H + 2 * Hkv) * D, hidden))),
+                 PlannedTensor(n.o, (n.o,), big((hidden, H * D))),
+                 PlannedTensor(n.gate_up, (n.gate, n.up), big((2 * I, hidden))),
+                 PlannedTensor(n.down, (n.down,), big((hidden, I)))]
+        plan += [PlannedTensor(fused, parts) for fused, parts in
+                 ((n.qkv_bias, (n.q_bias, n.k_bias, n.v_bias)), (n.o_bias, (n.o_bias,)),
+                  (n.gate_up_bias, (n.gate_bias, n.up_bias)), (n.down_bias, (n.down_bias,))) if fused]
+    plan.append(PlannedTensor(FINAL_NORM, (FINAL_NORM,)))
+    return tuple(plan)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """# x [T, in] -> [T, out]: oneDNN for a packed weight, F.linear (MKL / cuBLAS) otherwise."""
+    if weight.is_mkldnn:
+        return packed_linear.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class LayerKernels(ABC):
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.names = [layer_names(spec, i) for i in range(spec.num_layers)]
+
+    @abstractmethod
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm # [T, hidden] -> [T, hidden]."""
+
+    @abstractmethod
+    def qkv(self, p: dict, n: LayerNames, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """# h [T, hidden] -> q [T, H, D], k [T, Hkv, D] (rotated), v [T, Hkv * D]."""
+
+    @abstractmethod
+    def mlp(self, p: dict, n: LayerNames, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU # [T, hidden] -> [T, hidden]."""
+
+    def attention(self, q: torch.Tensor, kv_windows: torch.Tensor, kv_flat: torch.Tensor, step,
+                  block_offsets: torch.Tensor) -> torch.Tensor:
+        """# q [T, H, D] over this layer's cached K/V -> [T, H * D] (see layers.paged_attention)."""
+        return paged_attention(q, kv_windows, block_offsets, step.mask, step.unwritten, step.batch_shape,
+                               step.token_index, self.spec.num_kv_heads)
+
+    def o(self, p: dict, n: LayerNames, attn: torch.Tensor) -> torch.Tensor:
+        """# [T, H * D] -> [T, hidden]."""
+        return linear(attn, p[n.o], _get(p, n.o_bias))
+
+    def lm_head(self, p: dict, x: torch.Tensor) -> torch.Tensor:
+        """# [B, hidden] -> [B, vocab] float32."""
+        weight = p[EMBED] if self.spec.tie_word_embeddings and LM_HEAD not in p else p[LM_HEAD]
+        return linear(x, weight).float()
+
+
+class ReferenceKernels(LayerKernels):
+    def norm(self, x, weight):
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
+
+    def qkv(self, p, n, h, cos, sin):
+        T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        q = F.linear(h, p[n.q], _get(p, n.q_bias)).view(T, H, D)
+        k = F.linear(h, p[n.k], _get(p, n.k_bias)).view(T, Hkv, D)
+        v = F.linear(h, p[n.v], _get(p, n.v_bias))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def mlp(self, p, n, h):
+        gate = F.linear(h, p[n.gate], _get(p, n.gate_bias))
+        return F.linear(F.silu(gate) * F.linear(h, p[n.up], _get(p, n.up_bias)), p[n.down], _get(p, n.down_bias))
+
+
+class FastKernels(LayerKernels):
+    def __init__(self, spec: ModelSpec, device: torch.device):
+        super().__init__(spec)
+        # decode steps on CPU: the C++ kernel over the pool (built on first use) when it builds
+        self.decode_kernel = device.type == "cpu" and paged_attention_cpu.available()
+
+    def attention(self, q, kv_windows, kv_flat, step, block_offsets):
+        B, Tq = step.batch_shape
+        if not self.decode_kernel or Tq != 1 or step.unwritten.dtype == torch.bool:
+            return super().attention(q, kv_windows, kv_flat, step, block_offsets)
+        k_offsets = block_offsets[:block_offsets.shape[0] // 2].view(B, -1)   # [B, NB] K blocks (V follows each)
+        return paged_attention_cpu.decode_attention(q, kv_flat, k_offsets, step.ctx_lens, self.spec.num_kv_heads,
+                                                    self.spec.sliding_window)
+
+    def norm(self, x, weight):
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    def qkv(self, p, n, h, cos, sin):
+        T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        qkv = linear(h, p[n.qkv], _get(p, n.qkv_bias))          # [T, (H + 2 Hkv) * D]
+        qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one pass
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:]
+
+    def mlp(self, p, n, h):
+        gate, up = linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)   # [T, I] each
+        return linear(F.silu(gate) * up, p[n.down], _get(p, n.down_bias))
+
+
+def make_kernels(kind: str, spec: ModelSpec, device: torch.device) -> LayerKernels:
+    if kind == "reference":
+        return ReferenceKernels(spec)
+    if kind == "fast":
+        return FastKernels(spec, device)
+    raise ValueError(f"kernels must be 'reference' or 'fast', got {kind!r}")
+
+
+def _get(p: dict, name: str | None) -> torch.Tensor | None:
+    return None if name is None else p[name]

@@ -1,0 +1,97 @@
+"""MeteredEngineClient: the ingress's view of every request, as metrics; wraps any EngineClient.
+
+    engine = MeteredEngineClient(ClusterEngineClient(...))     # deploy/serve_app/app.py
+
+Per request (never per token) it records the outcome (ok, error, cancelled) and, for a
+finished request, whether it met its SLO the way vLLM's benchmark and DistServe define
+goodput: TTFT <= the TTFT SLO and mean TPOT ((t_last - t_first) / (n - 1)) <= the TBT SLO,
+with times from the frames' token_times and the request's arrival_time. Beside the counters
+(`tokenmux_slo_requests_total{met}`), a gauge gives each model's rolling goodput: the share
+of its requests that finished in the last `window_s` and met both SLOs. The ingress sees a
+request end to end (through the router, a KV handoff, a re-dispatch), so this is where the
+goodput is judged.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, AsyncIterator
+
+from actors.metrics import MetricsExporter
+from scheduler.messages import FINISH_CANCELLED, FINISH_ERROR, GenerateRequest, OutputFrame
+
+GOODPUT_WINDOW_S = 60.0
+
+
+def meets_slo(req: GenerateRequest, token_times: list[float]) -> bool:
+    """TTFT and mean TPOT within the request's SLO (a request without tokens does not)."""
+    if not token_times or not req.arrival_time:
+        return False
+    if token_times[0] - req.arrival_time > req.slo.ttft_s:
+        return False
+    if len(token_times) < 2:
+        return True
+    return (token_times[-1] - token_times[0]) / (len(token_times) - 1) <= req.slo.tbt_s
+
+
+class RollingGoodput:
+    """Per model: (finish time, met) of the last window_s seconds."""
+
+    def __init__(self, window_s: float = GOODPUT_WINDOW_S, clock=time.monotonic):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = window_s
+        self.clock = clock
+        self._events: dict[str, collections.deque] = {}
+
+    def add(self, model: str, met: bool) -> float:
+        """Record one finished request; returns the model's goodput over the window."""
+        now = self.clock()
+        events = self._events.setdefault(model, collections.deque())
+        events.append((now, met))
+        while events and events[0][0] < now - self.window_s:
+            events.popleft()
+        return sum(m for _, m in events) / len(events)
+
+
+class MeteredEngineClient:
+    def __init__(self, inner: Any, exporter: MetricsExporter | None = None,
+                 window_s: float = GOODPUT_WINDOW_S):
+        self.inner = inner
+        self.exporter = exporter or MetricsExporter()
+        self.goodput = RollingGoodput(window_s)
+
+    def __getattr__(self, name: str):   # the rest of the wrapped client (e.g. num_redispatched)
+        return getattr(self.inner, name)
+
+    def models(self):
+        return self.inner.models()
+
+    def tokenizer(self, model: str):
+        return self.inner.tokenizer(model)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        times: list[float] = []
+        outcome = FINISH_CANCELLED   # until a frame says otherwise: the consumer left early
+        try:
+            async for frame in self.inner.generate(req):
+                times += frame.token_times
+                if frame.finished:
+                    outcome = "error" if frame.finish_reason == FINISH_ERROR else "ok"
+                yield frame
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self._record(req, outcome, times)
+
+    def _record(self, req: GenerateRequest, outcome: str, times: list[float]) -> None:
+        self.exporter.inc("tokenmux_ingress_requests_total", 1, {"model": req.model, "outcome": outcome})
+        if outcome == FINISH_CANCELLED:   # the client left: no SLO verdict
+            return
+        met = outcome == "ok" and meets_slo(req, times)
+        self.exporter.inc("tokenmux_slo_requests_total", 1, {"model": req.model, "met": str(met).lower()})
+        self.exporter.set("tokenmux_slo_goodput", self.goodput.add(req.model, met), {"model": req.model})
