@@ -112,7 +112,7 @@ class Preset:
         grid points, not bisected to 10%), token, request and one Serve configuration
         (max_ongoing_requests 8), no ablations, no dedicated fleet, no models sweep."""
         return cls(max_requests=60, contenders=("token", "request", "multiplexed-8"), models_sweep=False,
-                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.05, 0.1, 0.2, 0.4)})
+                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.1, 0.2, 0.4, 0.8)})
 
     @classmethod
     def quick(cls) -> "Preset":
