@@ -134,6 +134,9 @@ def test_published_outputs_plots_markdown_and_readme(tmp_path):
                                        "max_models_per_worker_at_90_kind": "measured"})
     assert "| token | 1 |" in md and "never reaches 90% even at 1" in md and "token_vs_request_rate" in md
     assert "max_models_per_worker_at_90" in md and "SLO sensitivity" in md
+    # goodput at every measured rate, per contender, with its interval (token first: 29 of 30 at 4 req/s)
+    row = next(line for line in md.splitlines() if line.startswith("| 4 | "))
+    assert row.split(" | ")[1].startswith("0.97 [")
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{README_BEGIN}\nold\n{README_END}\nrest\n")
     assert update_readme(readme, md)
