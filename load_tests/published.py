@@ -1,6 +1,8 @@
 """The published side-by-side run: one command, every figure the README's load-test table shows.
 
-    tokenmux loadtest --published [--out docs/results] [--quick]
+    tokenmux loadtest --published [--out docs/results] [--short | --quick | --gpu]
+
+(--short: the reduced preset of Preset.short, ~30 min; --quick: tests; --gpu: one CUDA device.)
 
 What it runs, on this machine, each contender alone on the cores (load_tests/experiment.py):
 
