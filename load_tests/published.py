@@ -189,8 +189,10 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
                 phase(f"token/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
                 continue
             res = phase(f"token/{t.name}", lambda: s.search(t, plan(starts[t.name])))
-            top = (res.hi or res.lo or starts[t.name]) * 2
-            grids[t.name] = doubling_grid(starts[t.name], top)
+            # the search may have probed below the start rate (it missed there): the grid then starts lower
+            lowest = min(starts[t.name], res.lo or res.hi or starts[t.name])
+            top = max((res.hi or res.lo or starts[t.name]) * 2, lowest)
+            grids[t.name] = doubling_grid(lowest, top)
             phase(f"token/{t.name}/grid", lambda: [s.point(t, r) for r in grids[t.name]])
             plans[t.name]["token"] = {"lo": res.lo, "hi": res.hi}
     for name in [c for c in p.contenders if c != "token"]:
