@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 ATTACH_TIMEOUT_S = 30.0   # an adopted request whose sender never opens its stream is aborted after this
+FRAME_INTERVAL_S = 0.02   # frames go to the consumers at most this often (see EngineLoop._pace)
 
 
 class EngineLoop:
@@ -43,6 +44,8 @@ class EngineLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.stopped = False
+        self._pending: list[OutputFrame] = []   # frames not yet handed over (see _pace)
+        self._last_delivery = 0.0
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
@@ -70,8 +73,31 @@ class EngineLoop:
             except Exception as exc:   # never let one bad step kill the worker
                 logger.exception("engine step failed")
                 frames = self.engine.fail_all(f"engine step failed: {exc}")
-            if frames:
-                self.deliver(frames)
+            self._pace(frames)
+        self._flush()
+
+    def _pace(self, frames: list[OutputFrame]) -> None:
+        """Hand frames to the actor's event loop at most every FRAME_INTERVAL_S, except a
+        request's first and last frame, which go at once (TTFT, completion). Each hand-over
+        wakes the event loop and the Ray stream of every request in it, and those threads then
+        trade the GIL with this one at every torch op of the next forward: on a tiny model
+        (~1 ms steps, 12 models, 4 req/s) a hand-over per step made the forward 2.6 ms instead
+        of 1.2 ms, one per 10 ms 1.4 ms, one per 25 ms 1.1 ms. A model whose step is longer
+        than the interval is unaffected (every step goes out), and the client-observed times
+        the load tests score include the wait (like vLLM's --stream-interval)."""
+        requests = self.engine.requests
+        urgent = any(frame.finished or (frame.request_id in requests and len(frame.token_ids)
+                                        == requests[frame.request_id].num_output_tokens) for frame in frames)
+        self._pending.extend(frames)
+        now = time.perf_counter()
+        if urgent or now - self._last_delivery >= FRAME_INTERVAL_S or not self.engine.has_unfinished():
+            self._flush(now)
+
+    def _flush(self, now: float | None = None) -> None:
+        if self._pending:
+            frames, self._pending = self._pending, []
+            self.deliver(frames)
+            self._last_delivery = time.perf_counter() if now is None else now
 
     def _drain_inbox(self) -> None:
         while True:
@@ -79,6 +105,7 @@ class EngineLoop:
                 fn, args, future = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            self._flush()   # a command (detach, abort, stats) sees every frame made so far delivered
             try:
                 future.set_result(fn(*args))
             except Exception as exc:

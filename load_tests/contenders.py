@@ -1,18 +1,28 @@
 """The contenders of a side-by-side load test, each brought up on the same devices and budgets.
 
-    token        DeviceWorkers, policy "token"     (tokenmux: models switch between decode steps)
-    request      DeviceWorkers, policy "request"   (a model runs until its requests finish)
-    dedicated    DeviceWorkers, policy "dedicated" (one model per worker, no switching)
-    multiplexed  Ray Serve @serve.multiplexed over transformers models (the peer, LRU swaps)
+    token              DeviceWorkers, policy "token"   (tokenmux: models switch between decode steps)
+    token-no-cap       the same without the quota cap (Aegaeon's fixed Q_max)       } ablations of
+    token-no-overload  the same without overload control (every batch shares)     } the token policy
+    request            DeviceWorkers, policy "request" (a model runs until its requests finish)
+    dedicated          one DeviceWorker per model, policy "dedicated" (no switching; N devices)
+    multiplexed-N      Ray Serve @serve.multiplexed over transformers models, max_ongoing_requests
+                       N (1, 2, 8; "multiplexed" is N = 8): the peer, LRU swaps
 
-Every contender gets `num_workers` devices (Ray actors with num_gpus=1, num_cpus=0 and
-`threads_per_worker` torch threads each) and the same engine budget (device bytes and
-weight slots); the peer's replicas hold at most `num_slots` models each, its LRU cache
-size. For the DeviceWorker contenders dispatch is a fixed assignment, the same for every
-policy: model i of the deployment's list (most popular first) is served by worker
-i mod W, so each worker multiplexes the same models under each policy. `dedicated` gives
-worker i model i alone; models beyond the W-th have no worker, and their requests fail
-(counted as SLO misses): that is what a fleet with fewer devices than models gets.
+Every multiplexing contender gets `num_workers` devices (Ray actors with num_gpus=1,
+num_cpus=0 and `threads_per_worker` torch threads each) and the same engine budget (device
+bytes and weight slots); the peer's replicas hold at most `num_slots` models each, its LRU
+cache size. For the DeviceWorker contenders dispatch is a fixed assignment, the same for
+every policy: model i of the deployment's list (most popular first) is served by worker
+i mod W, so each worker multiplexes the same models under each policy.
+
+`dedicated` is scored as the fleet it needs: one device per model, at the same SLO. Its
+devices are independent, so each model's share of the trace is replayed on a device of its
+own, one device after another (never sharing the cores), and the records are merged: the
+same requests, at the same times, each on a device that serves only its model. Models that
+are copies of one checkpoint are identical devices, so they are measured on one worker, one
+after another; each device's idle stretches are skipped (driver.run's idle_skip_s: the
+device is empty then, so nothing a request sees changes). Its `devices` in the report is
+the model count.
 
 A contender is started, warmed up, measured and stopped before the next one starts:
 contenders never share the cores while they are measured.
@@ -37,7 +47,11 @@ from scheduler.slo import SLO
 logger = logging.getLogger(__name__)
 
 ENGINE_POLICIES = POLICY_NAMES
-CONTENDERS = (*ENGINE_POLICIES, "multiplexed")
+# token-level ablations: contender name -> SchedulerConfig fields it changes
+TOKEN_ABLATIONS = {"token-no-cap": {"quota_switch_factor": None},
+                   "token-no-overload": {"overload_control": False}}
+MULTIPLEXED = {"multiplexed": 8, "multiplexed-1": 1, "multiplexed-2": 2, "multiplexed-8": 8}  # -> max_ongoing
+CONTENDERS = (*ENGINE_POLICIES, *TOKEN_ABLATIONS, *MULTIPLEXED)
 TIMELINE_LEN = 200_000  # steps kept per worker: a whole sweep point's timeline
 
 
@@ -74,8 +88,12 @@ class Deployment:
         """Served model -> worker index (see the module docstring)."""
         names = list(self.models)
         if policy == "dedicated":
-            return {m: i for i, m in enumerate(names[: self.num_workers])}
+            return {m: i for i, m in enumerate(names)}
         return {m: i % self.num_workers for i, m in enumerate(names)}
+
+    def devices(self, contender: str) -> int:
+        """Devices the contender is scored as: dedicated needs one per model."""
+        return len(self.models) if contender == "dedicated" else self.num_workers
 
 
 class Contender(ABC):
@@ -97,12 +115,20 @@ class Contender(ABC):
     def notes(self, deployment: Deployment) -> list[str]:
         return []
 
+    def describe(self, deployment: Deployment) -> str:
+        return self.name
 
-def make_contender(name: str) -> Contender:
-    if name in ENGINE_POLICIES:
-        return EngineContender(name)
-    if name == "multiplexed":
-        return MultiplexedContender()
+
+def make_contender(name: str, scheduler: dict | None = None) -> Contender:
+    """A contender by name; `scheduler` (SchedulerConfig fields) applies to the token policy."""
+    if name in ("token", "request"):
+        return EngineContender(name, scheduler=scheduler if name == "token" else None)
+    if name in TOKEN_ABLATIONS:
+        return EngineContender("token", name=name, scheduler={**(scheduler or {}), **TOKEN_ABLATIONS[name]})
+    if name == "dedicated":
+        return DedicatedContender()
+    if name in MULTIPLEXED:
+        return MultiplexedContender(max_ongoing_requests=MULTIPLEXED[name], name=name)
     raise ValueError(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
 
 
@@ -137,30 +163,46 @@ class EngineTarget:
 
 
 class EngineContender(Contender):
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, name: str | None = None, scheduler: dict | None = None):
         if policy not in ENGINE_POLICIES:
             raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
-        self.name = policy
+        self.policy = policy
+        self.name = name or policy
+        self.scheduler = dict(scheduler or {})  # SchedulerConfig fields for every worker
         self.actors: list = []
 
     def start(self, deployment: Deployment) -> Target:
+        assignment = deployment.assignment(self.policy)
+        return self._start(deployment, assignment, deployment.num_workers)
+
+    def _start(self, deployment: Deployment, assignment: dict[str, int], num_workers: int) -> Target:
         import ray
 
         from actors.worker import DeviceWorker
 
         if self.actors:
             raise RuntimeError(f"contender {self.name} is already started")
-        config = {**deployment.engine, "policy": self.name, "timeline_len": TIMELINE_LEN}
+        config = {**deployment.engine, "policy": self.policy, "timeline_len": TIMELINE_LEN}
+        if self.scheduler:
+            config["scheduler"] = dict(self.scheduler)
         remote = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
         self.actors = [remote.remote(f"{self.name}-w{i}", config, num_threads=deployment.threads_per_worker)
-            for i in range(deployment.num_workers)]
+                       for i in range(num_workers)]
         ray.get([a.ready.remote() for a in self.actors])
-        assignment = deployment.assignment(self.name)
         ray.get([self.actors[w].register_model.remote(m, deployment.models[m])
                  for m, w in assignment.items()])
         logger.info("%s: %d workers, models per worker %s", self.name, len(self.actors),
                     [sum(1 for w in assignment.values() if w == i) for i in range(len(self.actors))])
         return EngineTarget({m: self.actors[w] for m, w in assignment.items()}, deployment.slo, self.name)
+
+    def describe(self, deployment: Deployment) -> str:
+        what = {"token": "tokenmux token-level multiplexing", "request": "request-level multiplexing "
+                "(a model runs until its requests finish; ServerlessLLM / Serve-multiplexing style) on the "
+                "same engine"}[self.policy]
+        if self.scheduler:
+            what += " with " + ", ".join(f"{k}={v}" for k, v in sorted(self.scheduler.items()))
+        return (f"{what}; {deployment.num_workers} DeviceWorker(s), {deployment.num_slots} weight slots each, "
+                f"{deployment.threads_per_worker} torch thread(s)")
 
     def stop(self) -> None:
         import ray
@@ -175,22 +217,63 @@ class EngineContender(Contender):
         timelines = ray.get([a.timeline.remote() for a in self.actors])
         return turns_from_timelines({f"w{i}": steps for i, steps in enumerate(timelines)}, since)
 
+
+
+class DedicatedContender(EngineContender):
+    """One device per model (see the module docstring): the fleet most of a marketplace runs."""
+
+    sequential_by_model = True  # measured one device at a time (load_tests/experiment.py)
+
+    def __init__(self):
+        super().__init__("dedicated")
+        self.stand_in: dict[str, str] = {}  # served model -> the model registered on its device
+
+    def start(self, deployment: Deployment) -> Target:
+        # one worker per distinct checkpoint: copies of a checkpoint are identical devices
+        by_path: dict[str, str] = {}
+        for model, path in deployment.models.items():
+            by_path.setdefault(path, model)
+        self.stand_in = {m: by_path[p] for m, p in deployment.models.items()}
+        firsts = list(by_path.values())
+        target = self._start(deployment, {m: i for i, m in enumerate(firsts)}, len(firsts))
+        return _StandInTarget(target, self.stand_in)
+
+    def stop(self) -> None:
+        super().stop()
+        self.stand_in = {}
+
+    def describe(self, deployment: Deployment) -> str:
+        return (f"dedicated: one device per model ({len(deployment.models)} devices), each serving its model "
+                f"alone with continuous batching; devices measured one after another")
+
     def notes(self, deployment: Deployment) -> list[str]:
-        if self.name == "dedicated" and len(deployment.models) > deployment.num_workers:
-            unserved = list(deployment.models)[deployment.num_workers:]
-            return [f"dedicated: {len(unserved)} of {len(deployment.models)} models have no worker "
-                    f"({deployment.num_workers} workers, one model each); their requests fail and "
-                    f"count as SLO misses"]
-        return []
+        return [f"dedicated is scored as {len(deployment.models)} devices (one per model) at the same SLO"]
+
+
+class _StandInTarget:
+    """Sends a model's requests to the device of the identical model registered for it."""
+
+    def __init__(self, target: EngineTarget, stand_in: dict[str, str]):
+        self.target, self.stand_in = target, stand_in
+
+    def stream(self, model: str, prompt: Prompt, max_tokens: int, request_id: str):
+        return self.target.stream(self.stand_in.get(model, model), prompt, max_tokens, request_id)
 
 
 # ---------------------------------------------------------------- the Ray Serve peer
 
 
 class MultiplexedContender(Contender):
-    name = "multiplexed"
+    """Ray Serve's @serve.multiplexed peer. `max_ongoing_requests` is how many requests a
+    replica takes at once; they generate concurrently on its device (time-sliced threads,
+    as concurrent requests on a Serve replica do), so 1 means one request at a time."""
 
-    def __init__(self, app_name: str = "loadtest-multiplexed"):
+    def __init__(self, max_ongoing_requests: int = 8, name: str = "multiplexed",
+                 app_name: str = "loadtest-multiplexed"):
+        if max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
+        self.name = name
+        self.max_ongoing_requests = max_ongoing_requests
         self.app_name = app_name
         self._shutdown = None
 
@@ -198,12 +281,20 @@ class MultiplexedContender(Contender):
         from load_tests.peers.serve_multiplexed import start_multiplexed
 
         if self._shutdown is not None:
-            raise RuntimeError("contender multiplexed is already started")
+            raise RuntimeError(f"contender {self.name} is already started")
         target, self._shutdown = start_multiplexed(
             deployment.models, num_replicas=deployment.num_workers,
             max_models_per_replica=deployment.num_slots,
-            threads_per_replica=deployment.threads_per_worker, app_name=self.app_name)
+            threads_per_replica=deployment.threads_per_worker, app_name=self.app_name,
+            max_ongoing_requests=self.max_ongoing_requests, serialize_generation=False,
+            dtype=deployment.engine.get("dtype") or "float32")
         return target
+
+    def describe(self, deployment: Deployment) -> str:
+        return (f"Ray Serve @serve.multiplexed over transformers models: {deployment.num_workers} replica(s), "
+                f"LRU of {deployment.num_slots} models each (a miss loads with from_pretrained), "
+                f"max_ongoing_requests={self.max_ongoing_requests} generating concurrently, no batching, "
+                f"{deployment.threads_per_worker} torch thread(s)")
 
     def stop(self) -> None:
         if self._shutdown is not None:

@@ -5,10 +5,18 @@ whether or not earlier requests have finished, so an overloaded system sees its 
 (as in production) instead of the driver slowing down to match it. A request's `arrival`
 in its record is its scheduled time, so any lag in sending it counts against the system.
 
+Idle stretches can be skipped (`idle_skip_s`): when nothing is in flight and the next
+arrival is further away than idle_skip_s, the driver waits idle_skip_s of real idle time and
+then moves its clock forward to that arrival. The system is empty then (every earlier
+request has finished or timed out), so nothing a request sees changes; a bursty trace's long
+silences simply stop costing wall time. Record times are on this run clock.
+
 The system under test is a `Target`: one method that streams the new tokens of one
-request. Chunks are lists of token ids (timestamped by the driver on receipt) or
-`OutputFrame`s, whose `token_times` (wall clock, time.time()) are used when present.
-An error is recorded on the request, never raised out of the run.
+request. Chunks are lists of token ids or `OutputFrame`s. Every token is timestamped by the
+driver when its chunk arrives (the client-observed time the SLO judges: a token the server
+made but has not delivered is not served yet); an OutputFrame's own `token_times` (the
+worker's wall clock) are kept beside them as `server_token_times`, a diagnostic of how much
+the transport adds. An error is recorded on the request, never raised out of the run.
 """
 from __future__ import annotations
 
@@ -134,22 +142,36 @@ def make_prompt(num_tokens: int, seed: int, *, vocab_size: int | None = None,
     return [rng.randrange(low, vocab_size) for _ in range(num_tokens)]
 
 
+class _Clock:
+    """Seconds since the start of the run, plus the idle time skipped so far."""
+
+    def __init__(self) -> None:
+        self.t0, self.wall0 = time.perf_counter(), time.time()
+        self.skipped = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0 + self.skipped
+
+    def from_wall(self, t: float) -> float:
+        """A time.time() stamp taken while a request was in flight, on the run clock."""
+        return t - self.wall0 + self.skipped
+
+
 async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, prompt: Prompt,
-                    timeout_s: float, t0: float, wall0: float) -> None:
+                    timeout_s: float, clock: _Clock) -> None:
     agen = target.stream(req.model, prompt, req.output_len, rec.request_id)
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in agen:
-                now = time.perf_counter() - t0
+                now = clock.now()
                 if isinstance(chunk, OutputFrame):
                     if chunk.num_prompt_tokens:
                         rec.num_prompt_tokens = chunk.num_prompt_tokens
                     rec.worker_id = chunk.worker_id or rec.worker_id
                     ids = chunk.token_ids
+                    rec.token_times.extend([now] * len(ids))
                     if len(chunk.token_times) == len(ids):
-                        rec.token_times.extend(t - wall0 for t in chunk.token_times)
-                    else:
-                        rec.token_times.extend([now] * len(ids))
+                        rec.server_token_times.extend(clock.from_wall(t) for t in chunk.token_times)
                     if chunk.error:
                         rec.error = chunk.error
                         break
@@ -163,7 +185,7 @@ async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, promp
     except Exception as e:  # the target's failure is a measurement, not a crash
         rec.error = f"{type(e).__name__}: {e}"
     finally:
-        rec.end = time.perf_counter() - t0
+        rec.end = clock.now()
         rec.num_output_tokens = len(rec.token_times)
         rec.first_token_time = rec.token_times[0] if rec.token_times else None
         aclose: Callable[[], Awaitable[None]] | None = getattr(agen, "aclose", None)
@@ -178,17 +200,20 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
               duration_s: float | None = None, max_requests: int | None = None,
               request_timeout_s: float = 120.0, drain_timeout_s: float | None = None,
               vocab_size: int | None = None, seed: int = 0,
-              progress: bool = False) -> list[RequestRecord]:
+              progress: bool = False, idle_skip_s: float | None = None) -> list[RequestRecord]:
     """Replay `workload` against `target` open loop; one record per request sent.
 
     Requests arriving at or after duration_s, or beyond the first max_requests, are not
     sent. After the last arrival, in-flight requests get drain_timeout_s (default
     request_timeout_s + 1 s) to finish; the rest are cancelled and recorded as errors. Times in
-    the records are seconds since the start of the run. Prompts are token ids when
-    vocab_size is given, else text (see make_prompt), seeded per request from `seed`.
+    the records are seconds since the start of the run (idle stretches longer than
+    idle_skip_s skipped, see the module docstring). Prompts are token ids when vocab_size is
+    given, else text (see make_prompt), seeded per request from `seed`.
     """
     if not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+    if idle_skip_s is not None and not idle_skip_s > 0:
+        raise ValueError(f"idle_skip_s must be > 0 or None, got {idle_skip_s!r}")
     if duration_s is not None and not duration_s > 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
     if max_requests is not None and max_requests < 0:
@@ -203,17 +228,26 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
     bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
-    t0, wall0 = time.perf_counter(), time.time()
+    clock = _Clock()
     try:
         for i, req in enumerate(todo):
-            delay = t0 + req.arrival_s - time.perf_counter()
+            delay = req.arrival_s - clock.now()
+            if idle_skip_s is not None and delay > idle_skip_s:
+                busy = [t for t in tasks if not t.done()]
+                if busy:   # the in-flight requests may end well before this arrival
+                    await asyncio.wait(busy, timeout=delay - idle_skip_s)
+                if all(t.done() for t in tasks) and req.arrival_s - clock.now() > idle_skip_s:
+                    await asyncio.sleep(idle_skip_s)   # real idle time first: the system settles
+                    if all(t.done() for t in tasks):
+                        clock.skipped += max(0.0, req.arrival_s - clock.now())
+                delay = req.arrival_s - clock.now()
             if delay > 0:
                 await asyncio.sleep(delay)
             rec = RequestRecord(f"req-{i:06d}", req.model, arrival=req.arrival_s,
                                 num_prompt_tokens=req.input_len)
             prompt = make_prompt(req.input_len, seed * 1_000_003 + i, vocab_size=vocab_size)
             task = asyncio.create_task(
-                _send_one(target, req, rec, prompt, request_timeout_s, t0, wall0))
+                _send_one(target, req, rec, prompt, request_timeout_s, clock))
             task.add_done_callback(lambda _: bar.update(1))
             records.append(rec)
             tasks.append(task)
@@ -229,8 +263,8 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
         bar.close()
         for rec in records:
             if rec.end is None:  # cancelled before it started
-                rec.error, rec.end = "cancelled", time.perf_counter() - t0
+                rec.error, rec.end = "cancelled", clock.now()
     errors = sum(r.error is not None for r in records)
-    logger.info("sent %d requests in %.1f s, %d errors", len(records),
-                time.perf_counter() - t0, errors)
+    logger.info("sent %d requests in %.1f s (%.1f s idle skipped), %d errors", len(records),
+                time.perf_counter() - clock.t0, clock.skipped, errors)
     return records

@@ -1,9 +1,17 @@
 """What a run measured: per-request token times in, latency percentiles and SLO attainment out.
 
-Times are seconds on one clock (the driver uses seconds since the start of the run). Let
-a request arrive at `a` and produce output tokens at times a + t_0, a + t_1, ..., a + t_{n-1}.
-Output token k (0-based) is due at relative time d_k = TTFT_SLO + k * TBT_SLO
-(`scheduler.slo.SLO.deadline`).
+Times are seconds on one clock (the driver uses seconds since the start of the run, and a
+token's time is when the client received it). Let a request arrive at `a` and produce
+output tokens at times a + t_0, a + t_1, ..., a + t_{n-1}. Output token k (0-based) is due
+at relative time d_k = TTFT_SLO + k * TBT_SLO (`scheduler.slo.SLO.deadline`).
+
+Three measures, each a share of all requests (a failed request is a miss in all three):
+
+**Goodput** (the headline), as vLLM's benchmark (`--goodput ttft:X tpot:Y`) and DistServe
+define it: a request counts when TTFT = t_0 <= TTFT_SLO and its mean time per output token
+TPOT = (t_{n-1} - t_0) / (n - 1) <= TBT_SLO (a one-token request has no TPOT: TTFT alone
+decides). `attainment_goodput` is the share of requests that count and `goodput_rps` those
+requests per second of run. A mid-stream stall costs only as much as it raises the mean.
 
 **Strict attainment.** A request meets its SLO when it did not fail, produced at least one
 token, and every token met its deadline: t_k <= d_k for all k. (Deadlines accumulate, so a
@@ -22,12 +30,10 @@ when t_{n-1} = 0 and the token was on time); a failed request scores 0. Cumulati
 attainment = mean over requests (unweighted). The artifact's worked example: tokens at
 (3, 6, 7, 8), TTFT_SLO = 3, TBT_SLO = 2 -> credited (0, 3) and (6, 8) -> 5/8.
 
-**Goodput attainment** (vLLM's benchmark, DistServe): a request counts when TTFT <= TTFT_SLO
-and its mean TPOT, (t_{n-1} - t_0) / (n - 1), is <= TBT_SLO; lenient to a mid-stream stall
-that the mean absorbs, strict about each request's own first token.
-
-Goodput = requests meeting the strict SLO per second of run. Failed requests count as misses
-everywhere and are left out of the latency percentiles.
+`strict_rps` = requests meeting the strict SLO per second of run (what `goodput_rps` used to
+mean here). Per-gap TBT percentiles are a diagnostic (one stall shows in p99 however short
+it is); `tpot_p*` are percentiles of the per-request mean TPOT. Failed requests are left out
+of the latency percentiles.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     error: str | None = None
     worker_id: str | None = None
+    server_token_times: list[float] = field(default_factory=list)  # the worker's stamps (diagnostic)
 
     @property
     def ok(self) -> bool:
@@ -69,11 +76,25 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:])]
 
     @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
     def e2e(self) -> float | None:
         return self.end - self.arrival if self.end is not None and self.ok else None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RequestRecord":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown request record fields {unknown}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -94,18 +115,18 @@ def _relative_times(r: RequestRecord) -> list[float]:
     return [t - r.arrival for t in r.token_times]
 
 
+def meets_goodput(r: RequestRecord, slo: SLO) -> bool:
+    """vLLM / DistServe goodput: TTFT within its SLO and mean TPOT within the TBT SLO."""
+    if not r.ok or r.ttft > slo.ttft_s:
+        return False
+    tpot = r.tpot
+    return tpot is None or tpot <= slo.tbt_s
+
+
 def meets_strict(r: RequestRecord, slo: SLO) -> bool:
     if not r.ok:
         return False
     return all(t <= slo.deadline(0.0, k) for k, t in enumerate(_relative_times(r)))
-
-
-def meets_goodput(r: RequestRecord, slo: SLO) -> bool:
-    if not r.ok:
-        return False
-    t = r.token_times
-    mean_tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
-    return t[0] - r.arrival <= slo.ttft_s and mean_tpot <= slo.tbt_s
 
 
 def cumulative_attainment(r: RequestRecord, slo: SLO) -> float:
@@ -129,6 +150,21 @@ def cumulative_attainment(r: RequestRecord, slo: SLO) -> float:
     if last_on_time:
         credited += total - seg_start
     return min(1.0, credited / total)
+
+
+# --sweep-metric name -> (per-request score in [0, 1], summary key of its share)
+MEASURES = {
+    "goodput": (lambda r, slo: float(meets_goodput(r, slo)), "attainment_goodput"),
+    "strict": (lambda r, slo: float(meets_strict(r, slo)), "attainment_strict"),
+    "cumulative": (cumulative_attainment, "attainment_cumulative"),
+}
+
+
+def attainment_key(metric: str) -> str:
+    """The summary key of a measure's attainment ("goodput" -> "attainment_goodput")."""
+    if metric not in MEASURES:
+        raise ValueError(f"metric must be one of {', '.join(MEASURES)}, got {metric!r}")
+    return MEASURES[metric][1]
 
 
 def percentiles(values: Iterable[float], prefix: str) -> dict[str, float | None]:
@@ -164,18 +200,21 @@ def switches_per_second(turns: Iterable[Turn]) -> dict[str, float]:
 def _summary(records: Sequence[RequestRecord], slo: SLO, duration_s: float) -> dict:
     ok = [r for r in records if r.ok]
     n = len(records)
-    num_meet = sum(meets_strict(r, slo) for r in records)
+    num_good = sum(meets_goodput(r, slo) for r in records)
+    num_strict = sum(meets_strict(r, slo) for r in records)
     out = {
         "num_requests": n,
         "num_errors": sum(1 for r in records if r.error is not None),
         "num_output_tokens": sum(len(r.token_times) for r in records),
-        "attainment_strict": num_meet / n if n else None,
-        "attainment_goodput": sum(meets_goodput(r, slo) for r in records) / n if n else None,
+        "attainment_goodput": num_good / n if n else None,
+        "attainment_strict": num_strict / n if n else None,
         "attainment_cumulative": (sum(cumulative_attainment(r, slo) for r in records) / n
                                   if n else None),
-        "goodput_rps": num_meet / duration_s if duration_s > 0 else None,
+        "goodput_rps": num_good / duration_s if duration_s > 0 else None,
+        "strict_rps": num_strict / duration_s if duration_s > 0 else None,
     }
     out |= percentiles((r.ttft for r in ok), "ttft")
+    out |= percentiles((r.tpot for r in ok if r.tpot is not None), "tpot")
     out |= percentiles((g for r in ok for g in r.tbts), "tbt")
     out |= percentiles((r.e2e for r in ok if r.e2e is not None), "e2e")
     return out

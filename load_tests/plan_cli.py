@@ -194,7 +194,7 @@ def _workload(args):
     if not args.rate > 0 or not args.duration > 0:
         raise ValueError("--rate and --duration must be > 0")
     arrivals = w.Poisson(args.rate) if args.arrival == "poisson" else w.Gamma(args.rate, args.cv)
-    from load_tests.runner import AZURE_CONV
+    from load_tests.run_setup import AZURE_CONV
 
     lengths = (lengths_from_azure(AZURE_CONV, max_input=4000, max_output=2000)
                if AZURE_CONV.is_file() else w.LogNormalLengths(input_median=700, output_median=250))

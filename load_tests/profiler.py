@@ -141,7 +141,7 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def run(args) -> int:
-    from load_tests.runner import _checkpoint   # zoo name or directory -> directory
+    from load_tests.run_setup import _checkpoint   # zoo name or directory -> directory
 
     path = profile(_checkpoint(args.model), args.out, name=args.name, inputs=args.inputs, batches=args.batches,
                    decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads)

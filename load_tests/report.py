@@ -1,8 +1,11 @@
-"""Side-by-side results: a JSON and a Markdown table per contender, and PNG plots.
+"""Side-by-side results: JSON, Markdown tables and PNG plots.
 
-Input is what metrics.summarize returns per contender (same trace, same SLO), optionally a
-rate sweep per contender ({rate: attainment}), the raw records (for latency CDFs) and the
-workers' (worker, model, start, end) turns (for a timeline of which model ran when).
+Two inputs. One run per contender (what metrics.summarize returns, same trace, same SLO),
+its raw records (latency CDFs) and the workers' (worker, model, start, end) turns (a
+timeline of which model ran when): `write_report`, used by the demo. And the analysed
+sweeps of load_tests/analysis.py: attainment vs rate with 95% CI bands per contender and
+measure, TTFT and TBT CDFs at one shared rate, and the published Markdown (tables of max
+rates with CIs, ratios, the SLO sensitivity table), which also refreshes the README.
 """
 from __future__ import annotations
 
@@ -17,42 +20,14 @@ from load_tests.metrics import RequestRecord, Turn
 
 logger = logging.getLogger(__name__)
 
-COLUMNS = ("attainment_strict", "attainment_cumulative", "goodput_rps", "ttft_p50_s",
-           "ttft_p99_s", "tbt_p50_s", "tbt_p99_s")
+COLUMNS = ("attainment_goodput", "attainment_strict", "attainment_cumulative", "goodput_rps",
+           "strict_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tbt_p50_s", "tbt_p99_s")
 
 
-def max_rate_at(attainments_by_rate: Mapping[float, float], threshold: float = 0.9) -> float | None:
-    """Highest arrival rate that still reaches `threshold` attainment, interpolated.
-
-    Rates are scanned in increasing order. Let r_b be the first rate whose attainment a_b is
-    below the threshold and r_a (attainment a_a >= threshold) the rate before it: the answer
-    is where the straight line between (r_a, a_a) and (r_b, a_b) crosses the threshold,
-    r_a + (a_a - threshold) / (a_a - a_b) * (r_b - r_a). Later rates are ignored (a noisy
-    recovery above the threshold does not count). If no rate falls below, the highest rate
-    tested is returned (a lower bound); if the lowest rate is already below, None.
-    """
-    if not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
-    if not attainments_by_rate:
-        raise ValueError("attainments_by_rate is empty")
-    points = sorted((float(r), float(a)) for r, a in attainments_by_rate.items())
-    if points[0][1] < threshold:
-        return None
-    for (r_a, a_a), (r_b, a_b) in zip(points, points[1:]):
-        if a_b < threshold:
-            return r_a + (a_a - threshold) / (a_a - a_b) * (r_b - r_a)
-    return points[-1][0]
-
-
-def build_report(summaries: Mapping[str, dict], *,
-                 sweeps: Mapping[str, Mapping[float, float]] | None = None,
-                 threshold: float = 0.9, baseline: str | None = None) -> dict[str, dict]:
-    """{contender: {column: value}}; with a baseline, also goodput and max-rate ratios to it."""
+def build_report(summaries: Mapping[str, dict]) -> dict[str, dict]:
+    """{contender: {column: value}} of one run per contender (metrics.summarize's output)."""
     if not summaries:
         raise ValueError("no contenders to report")
-    if baseline is not None and baseline not in summaries:
-        raise ValueError(f"baseline {baseline!r} is not a contender: {sorted(summaries)}")
-    rate_key = f"max_rate_at_{round(threshold * 100)}"
     report = {}
     for name, s in summaries.items():
         row = {k: s.get(k) for k in COLUMNS}
@@ -60,21 +35,8 @@ def build_report(summaries: Mapping[str, dict], *,
         row["num_errors"] = s.get("num_errors")
         if "switches_per_s_mean" in s:
             row["switches_per_s_mean"] = s["switches_per_s_mean"]
-        if sweeps and name in sweeps:
-            row[rate_key] = max_rate_at(sweeps[name], threshold)
-            row["sweep"] = {str(r): a for r, a in sorted(sweeps[name].items())}
         report[name] = row
-    if baseline is not None:
-        base = report[baseline]
-        for row in report.values():
-            for key in ("goodput_rps", rate_key):
-                if key in row:
-                    row[f"{key}_vs_{baseline}"] = _ratio(row.get(key), base.get(key))
     return report
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b not in (None, 0) else None
 
 
 def _fmt(v) -> str:
@@ -107,22 +69,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def plot_attainment_vs_rate(sweeps: Mapping[str, Mapping[float, float]], path: Path,
-                            threshold: float = 0.9) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, sweep in sweeps.items():
-        rates = sorted(sweep)
-        ax.plot(rates, [100 * sweep[r] for r in rates], "o-", label=name)
-    ax.axhline(100 * threshold, color="gray", linestyle="--", linewidth=1)
-    ax.set(xlabel="arrival rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def plot_cdf(values_by_contender: Mapping[str, Sequence[float]], path: Path,
@@ -169,21 +115,16 @@ def _slug(name: str) -> str:
 
 
 def write_report(out_dir: str | Path, summaries: Mapping[str, dict], *,
-                 sweeps: Mapping[str, Mapping[float, float]] | None = None,
                  records: Mapping[str, Sequence[RequestRecord]] | None = None,
                  turns: Mapping[str, Sequence[Turn]] | None = None,
-                 threshold: float = 0.9, baseline: str | None = None,
                  title: str = "tokenmux load test") -> dict[str, Path]:
     """Write report.json, report.md and the plots the inputs allow; returns {name: path}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = build_report(summaries, sweeps=sweeps, threshold=threshold, baseline=baseline)
+    report = build_report(summaries)
     files = {"json": out / "report.json", "markdown": out / "report.md"}
     files["json"].write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     files["markdown"].write_text(to_markdown(report, title))
-    if sweeps:
-        files["attainment_vs_rate"] = plot_attainment_vs_rate(
-            sweeps, out / "attainment_vs_rate.png", threshold)
     if records:
         ok = {n: [r for r in rs if r.ok] for n, rs in records.items()}
         files["ttft_cdf"] = plot_cdf({n: [r.ttft for r in rs] for n, rs in ok.items()},
@@ -196,3 +137,179 @@ def write_report(out_dir: str | Path, summaries: Mapping[str, dict], *,
                                                       title=name)
     logger.info("report written to %s: %s", out, ", ".join(p.name for p in files.values()))
     return files
+
+
+# ---------------------------------------------------------------- the published run
+
+
+_MEASURE_TITLES = {"goodput": "goodput (TTFT and mean TPOT within SLO)",
+                   "strict": "strict (every token by its deadline)",
+                   "cumulative": "Aegaeon cumulative (share of service time on time)"}
+
+
+def plot_attainment_bands(result: dict, path: str | Path) -> Path:
+    """Attainment vs rate per contender, one panel per measure: mean over seeds and its 95% CI band."""
+    plt = _pyplot()
+    measures = list(_MEASURE_TITLES)
+    fig, axes = plt.subplots(1, len(measures), figsize=(5 * len(measures), 4), sharey=True)
+    threshold = result.get("threshold", 0.9)
+    for ax, measure in zip(axes, measures):
+        for name, data in result["contenders"].items():
+            rates = sorted(data["points"], key=float)
+            if not rates:
+                continue
+            xs = [float(r) for r in rates]
+            mean = [100 * data["points"][r][measure]["mean"] for r in rates]
+            lo = [100 * max(0.0, data["points"][r][measure]["lo"]) for r in rates]
+            hi = [100 * min(1.0, data["points"][r][measure]["hi"]) for r in rates]
+            (line,) = ax.plot(xs, mean, "o-", markersize=3, label=name)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.axhline(100 * threshold, color="gray", linestyle="--", linewidth=1)
+        ax.set(xscale="log", xlabel="arrival rate (req/s)", title=_MEASURE_TITLES[measure], ylim=(0, 105))
+    axes[0].set_ylabel("SLO attainment (%), mean and 95% CI over seeds")
+    axes[-1].legend(fontsize="small", loc="lower left")
+    fig.suptitle(f"{result['trace']} trace: TTFT SLO {result['slo']['ttft_s']:.4g} s, "
+                 f"TBT SLO {result['slo']['tbt_s']:.4g} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def cdf_rate(result: dict) -> float | None:
+    """The rate the latency CDFs compare at: the highest rate token met the threshold that
+    the most contenders were measured at."""
+    token = result["contenders"].get("token")
+    if token is None:
+        return None
+    threshold = result.get("threshold", 0.9)
+    measure = result.get("measure", "goodput")
+    passing = [float(r) for r, p in token["points"].items() if p[measure]["mean"] >= threshold]
+    if not passing:
+        return min(float(r) for r in token["points"])
+    counts = {r: sum(str(r) in c["points"] for c in result["contenders"].values()) for r in passing}
+    return max(passing, key=lambda r: (counts[r], r))
+
+
+def plot_cdfs(records, trace: str, result: dict, prefix: str | Path) -> dict[str, Path]:
+    """TTFT and TBT (per gap) CDFs of every contender measured at `cdf_rate`, all seeds pooled."""
+    rate = cdf_rate(result)
+    if rate is None:
+        return {}
+    ok: dict[str, list[RequestRecord]] = {}
+    for name in result["contenders"]:
+        seeds = records.select(name, trace).get(rate)
+        if seeds:
+            ok[name] = [r for recs in seeds.values() for r in recs if r.ok]
+    prefix = Path(prefix)
+    return {
+        "ttft": plot_cdf({n: [r.ttft for r in rs] for n, rs in ok.items()},
+                         prefix.with_name(prefix.name + "-ttft-cdf.png"), f"TTFT (s) at {rate:.3g} req/s"),
+        "tbt": plot_cdf({n: [g for r in rs for g in r.tbts] for n, rs in ok.items()},
+                        prefix.with_name(prefix.name + "-tbt-cdf.png"), f"TBT per gap (s) at {rate:.3g} req/s"),
+    }
+
+
+def _estimate_text(e: dict, unit: str = "") -> str:
+    from load_tests.stats import Estimate
+
+    return Estimate(**e).describe(unit)
+
+
+def _ratio_text(result: dict, key: str) -> str:
+    value = result.get(key)
+    if value is None:
+        return result.get(f"{key}_note") or result.get(f"{key}_kind", "-")
+    lo, hi = result.get(f"{key}_ci", [None, None])
+    kind = result.get(f"{key}_kind")
+    text = f"{value:.3g}"
+    if kind == "lower bound":
+        text = f">= {value:.3g}" + (f" (CI low {lo:.3g})" if lo is not None else "")
+    elif kind == "upper bound":
+        text = f"< {value:.3g}"
+    elif lo is not None and hi is not None:
+        text += f" [{lo:.3g}, {hi:.3g}]"
+    return text
+
+
+def _goodput_by_rate(contenders: dict) -> list[str]:
+    """Goodput (mean [95% CI] over seeds) of each contender at every rate it was measured."""
+    names = list(contenders)
+    rates = sorted({float(r) for data in contenders.values() for r in data["points"]})
+    lines = ["Goodput at each rate (fraction of requests within TTFT and mean-TPOT SLO, mean [95% CI]):", "",
+             "| req/s | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for rate in rates:
+        cells = []
+        for name in names:
+            point = next((p for r, p in contenders[name]["points"].items() if float(r) == rate), None)
+            g = point["goodput"] if point else None
+            cells.append("-" if g is None else f"{g['mean']:.2f} [{g['lo']:.2f}, {g['hi']:.2f}]")
+        lines.append(f"| {rate:.3g} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def published_markdown(out_dir: str | Path, summary: dict) -> str:
+    """The published run as Markdown: per trace, the contenders' max rates by each measure
+    with CIs, the token ratios, the never-below check and the SLO table; then the models sweep."""
+    out = Path(out_dir)
+    lines = ["## Side by side: max arrival rate at 90% SLO attainment (one device)", ""]
+    meta = summary.get("meta", {})
+    for trace in summary["traces"]:
+        result = json.loads((out / f"loadtest-{trace}.json").read_text())
+        slo = result["slo"]
+        lines += [f"### {trace} trace (TTFT SLO {slo['ttft_s']:.4g} s, TBT SLO {slo['tbt_s']:.4g} s)", "",
+                  "| contender | devices | goodput | strict | cumulative |", "|---|---|---|---|---|"]
+        for name, data in result["contenders"].items():
+            rk = next(k for k in data if k.startswith("max_rate_at_"))
+            cells = [_estimate_text(data[rk][m]) for m in ("goodput", "strict", "cumulative")]
+            lines.append(f"| {name} | {data['devices']} | " + " | ".join(cells) + " |")
+        lines += ["", "Max rate in req/s: mean-curve crossing and [95% CI] over "
+                  f"{len(result['run'].get('preset', {}).get('seeds', []))} seeds x "
+                  f"{result['run'].get('preset', {}).get('max_requests', '?')} requests per point.", ""]
+        lines += _goodput_by_rate(result["contenders"])
+        for label in ("request", "multiplexed"):
+            parts = [f"{m}: {_ratio_text(result, f'token_vs_{label}_rate' + ('' if m == 'goodput' else '_' + m))}"
+                     for m in ("goodput", "strict", "cumulative")]
+            extra = f" (best: {result.get('best_multiplexed')})" if label == "multiplexed" else ""
+            lines.append(f"- `token_vs_{label}_rate`{extra}: " + "; ".join(parts))
+        if "token_never_below_request" in result:
+            lines.append(f"- `token_never_below_request` (goodput and strict, beyond the CI, at every shared rate): "
+                         f"{result['token_never_below_request']}")
+        sens = result.get("slo_sensitivity")
+        if sens:
+            lines += ["", f"SLO sensitivity ({sens['note']}), max rate at 90% goodput:", "",
+                      "| SLO | TTFT s | TBT s | token | request | token / request | token / best multiplexed |",
+                      "|---|---|---|---|---|---|---|"]
+            for name, row in sens["rows"].items():
+                tok = _estimate_text(row["token"]) if "token" in row else "-"
+                req = _estimate_text(row["request"]) if "request" in row else "-"
+                lines.append(f"| {name} | {row['ttft_s']:.4g} | {row['tbt_s']:.4g} | {tok} | {req} | "
+                             f"{_ratio_text(row, 'token_vs_request_rate')} | "
+                             f"{_ratio_text(row, 'token_vs_multiplexed_rate')} |")
+        lines.append("")
+    if "max_models_per_worker_at_90" in summary:
+        lines.append(f"- `max_models_per_worker_at_90` (goodput, each model a Poisson stream of 0.1 req/s): "
+                     f"{summary['max_models_per_worker_at_90']} ({summary['max_models_per_worker_at_90_kind']})")
+    if meta.get("elapsed_s"):
+        lines.append(f"- the whole run took {meta['elapsed_s'] / 60:.0f} min on this machine")
+    return "\n".join(lines) + "\n"
+
+
+README_BEGIN = "<!-- loadtest-published:begin -->"
+README_END = "<!-- loadtest-published:end -->"
+
+
+def update_readme(path: str | Path, markdown: str) -> bool:
+    """Replace the README's published load-test section (between its markers); False if it has none."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        logger.warning("%s has no %s ... %s markers; the load-test table is not refreshed", path,
+                       README_BEGIN, README_END)
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    path.write_text(head + README_BEGIN + "\n" + markdown + README_END + tail)
+    return True

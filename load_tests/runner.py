@@ -2,6 +2,8 @@
 
     tokenmux loadtest --trace FILE.csv --contenders token,request,dedicated,multiplexed \
         --workers W --sweep rate --json OUT.json --plots DIR
+    tokenmux loadtest --published            # the README's side-by-side run (load_tests/published.py)
+    tokenmux loadtest --rescore RECORDS.jsonl.gz --slo-ttft 0.2 --json OUT.json   # re-score, no re-run
 
 Without --trace the workload is synthetic: Gamma arrivals (CV 4, bursty), Zipf(1) model
 popularity (a long tail that still has several active models when only ~10 are served;
@@ -10,6 +12,10 @@ popularity (a long tail that still has several active models when only ~10 are s
 conversation trace, scaled and clipped to the tiny models' budget. Served models are n
 copies of one zoo checkpoint under distinct names (each is a separate model to every
 contender: its own weight slot, its own LRU entry), or a list of zoo names.
+
+Every point is run once per seed (--seeds) and judged by three measures; --sweep-metric
+(goodput by default) is the one the rate search and the headline ratios use. Every request
+is kept as a record beside the JSON (--records, default OUT.records.jsonl.gz).
 
 This module imports only the standard library at the top, so `tokenmux --help` stays fast.
 """
@@ -22,11 +28,11 @@ import os
 import sys
 from pathlib import Path
 
+from load_tests.run_setup import (AZURE_CONV, DATA_DIR, engine_config, make_workload, measured_slo,  # re-exported
+                                  scheduler_overrides, served_models)
+
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
-AZURE_CONV = DATA_DIR / "traces" / "azure-llm-2023" / "conv.csv"
 RATE_STEPS = (0.25, 0.5, 1.0, 2.0, 4.0)  # default sweep: these multiples of --rate
 
 
@@ -37,7 +43,8 @@ def _csv(kind):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="trace CSV (Aegaeon, Azure 2023 or BurstGPT); default: synthetic")
     p.add_argument("--contenders", type=_csv(str), default=["token", "request"],
-                   help="comma list of token,request,dedicated,multiplexed (default token,request)")
+                   help="comma list of token,request,dedicated,multiplexed[-1|-2|-8],token-no-cap,"
+                        "token-no-overload (default token,request)")
     p.add_argument("--workers", type=int, default=2, help="devices (DeviceWorkers / replicas) per contender")
     p.add_argument("--sweep", type=_csv(str), default=[], help="comma list of rate,models (default: none)")
     p.add_argument("--json", dest="json_path", help="write the results here")
@@ -53,11 +60,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=60, help="requests per measured point")
     p.add_argument("--duration", type=float, help="cut each point's arrivals after this many seconds")
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--idle-skip", type=float, metavar="S",
+                   help="when nothing is in flight for S seconds, skip the clock to the next arrival")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO in s (default: measured, see load_tests/slo.py)")
     p.add_argument("--slo-tbt", type=float, help="TBT SLO in s (default: measured)")
     p.add_argument("--threshold", type=float, default=0.9, help="attainment the sweeps look for")
-    p.add_argument("--sweep-metric", choices=("strict", "cumulative"), default="strict")
+    p.add_argument("--sweep-metric", choices=("goodput", "strict", "cumulative"), default="goodput",
+                   help="measure the rate search and the headline ratios use (default goodput: TTFT and "
+                        "mean TPOT within the SLO, as vLLM's benchmark and DistServe count it)")
+    p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2],
+                   help="workload samples per point (mean and 95%% CI over them; default 0,1,2)")
+    p.add_argument("--search", action="store_true",
+                   help="rate sweep: bracket from --rate by doubling/halving and bisect to --resolution "
+                        "instead of the fixed --rates")
+    p.add_argument("--resolution", type=float, default=1.1, help="--search stops when hi / lo <= this")
+    p.add_argument("--records", help="per-request records (JSONL; .gz compresses); default beside --json")
+    p.add_argument("--rescore", metavar="RECORDS", help="score saved records again (SLO, threshold, measure "
+                   "from the flags) without running anything")
+    p.add_argument("--published", action="store_true",
+                   help="run the README's published side-by-side run (load_tests/published.py)")
+    p.add_argument("--out", default="docs/results", help="--published: where its files go")
+    p.add_argument("--quick", action="store_true", help="a short run (tests): 1 seed, few requests; "
+                   "with --published its quick preset")
+    p.add_argument("--short", action="store_true", help="--published: the reduced preset (~30 min on 2 "
+                   "shared cores: 60 requests per point, a fixed 4-rate grid, no ablations/models sweep)")
+    p.add_argument("--gpu", action="store_true", help="--published: the GPU preset (8 copies of a 7B shape, "
+                   "random bf16 weights, one CUDA device; tests/gpu/run.sh runs it)")
+    p.add_argument("--no-quota-cap", action="store_true",
+                   help="token contender: Aegaeon's fixed Q_max, no cap at a multiple of the switch cost")
+    p.add_argument("--no-overload-control", action="store_true",
+                   help="token contender: every batch shares the device even when alpha > 1")
     p.add_argument("--arrival", choices=("gamma", "poisson", "onoff"), default="gamma")
     p.add_argument("--cv", type=float, default=4.0, help="Gamma arrivals: coefficient of variation")
     # Zipf by default: Aegaeon's calibrated long tail (94.1% of models get 1.35% of requests)
@@ -68,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-scale", type=float, default=0.125)
     p.add_argument("--output-scale", type=float, default=0.25)
     p.add_argument("--max-input", type=int, default=256)
-    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--model-counts", type=_csv(int), default=[2, 4, 6, 8, 10, 12, 14, 16])
     p.add_argument("--model-rate", type=float, default=0.1, help="models sweep: req/s per model")
     p.add_argument("--threads-per-worker", type=int, help="default: cores // workers")
@@ -77,112 +110,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action="store_true", help="progress bar per measured point")
 
 
-# ---------------------------------------------------------------- building blocks
-
-
-def _checkpoint(name_or_dir: str) -> str:
-    if Path(name_or_dir, "config.json").is_file():
-        return str(Path(name_or_dir))
-    from load_tests.zoo import ensure_model
-
-    return str(ensure_model(name_or_dir))
-
-
-def served_models(spec: str, checkpoint: str) -> dict[str, str]:
-    """--models: "N" -> N names over one checkpoint; "a,b,c" -> those zoo models."""
-    if spec.strip().isdigit():
-        n = int(spec)
-        if n < 1:
-            raise ValueError(f"--models must be >= 1, got {n}")
-        path = _checkpoint(checkpoint)
-        stem = Path(path).name
-        return {f"{stem}-{i:02d}": path for i in range(n)}
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--models lists a model twice: {names}")
-    return {n: _checkpoint(n) for n in names}
-
-
-def engine_config(models: dict[str, str], args) -> dict:
-    """EngineConfig kwargs (without policy): a budget of KV + `slots` of the largest model."""
-    from actors.model_spec import ModelSpec
-
-    largest = max(ModelSpec.from_dir(p).weight_bytes for p in set(models.values()))
-    kv = int(args.kv_mb * MiB) // 256 * 256
-    slot = (largest + 4 * MiB) // 256 * 256  # margin for the 64-byte tensor alignment
-    budget = int(args.budget * MiB) if args.budget else kv + args.slots * slot + 256
-    if args.slots >= len(models):
-        logger.warning("%d slots hold all %d models: no model ever has to be swapped in",
-                       args.slots, len(models))
-    return {"budget_bytes": budget, "kv_bytes": kv, "num_slots": args.slots,
-            "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB}
-
-
-def make_workload(args, names: list[str], rate: float, num_requests: int):
-    from load_tests import workloads as w
-
-    arrivals = {"gamma": lambda: w.Gamma(rate, args.cv), "poisson": lambda: w.Poisson(rate),
-                "onoff": lambda: w.OnOff(rate * 4, on_s=5.0, off_s=15.0)}[args.arrival]()
-    popularity = {"longtail": w.LongTail, "uniform": w.Uniform,
-                  "zipf": lambda: w.Zipf(args.zipf_alpha)}[args.popularity]()
-    if len(names) < 2 and args.popularity == "longtail":
-        popularity = w.Uniform()
-    limits = dict(input_scale=args.input_scale, output_scale=args.output_scale,
-                  max_input=args.max_input, max_output=args.max_output)
-    if args.lengths == "azure":
-        if not AZURE_CONV.is_file():
-            raise ValueError(f"Azure trace not found at {AZURE_CONV}; set TOKENMUX_DATA_DIR or use --lengths lognormal")
-        from load_tests.traces import lengths_from_azure
-
-        lengths = lengths_from_azure(AZURE_CONV, **limits)
-    else:
-        lengths = w.LogNormalLengths(**limits)
-    return w.generate(arrivals, popularity, names, lengths, seed=args.seed, num_requests=num_requests)
-
-
-def measured_slo(models: dict[str, str], args, threads: int) -> dict:
-    from load_tests.slo import DEFAULT_TBT_FACTOR, DEFAULT_TTFT_FACTOR, default_slo, measure_step_times
-    from actors.model_spec import ModelSpec
-
-    largest = max(set(models.values()), key=lambda p: ModelSpec.from_dir(p).weight_bytes)
-    import ray
-
-    # Measured in a Ray worker process with one device's share of the cores, as the
-    # contenders' workers run (same scheduling priority, same share of a busy machine).
-    remote = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(measure_step_times)
-    times = ray.get(remote.remote(largest, prompt_len=min(128, args.max_input), batch_size=4,
-                                  num_decode_steps=32, num_threads=threads))
-    slo = default_slo(times)
-    return {"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
-            "derived_from": times.to_dict(), "tbt_factor": DEFAULT_TBT_FACTOR,
-            "ttft_factor": DEFAULT_TTFT_FACTOR,
-            "rule": "TBT = tbt_factor x decode_s; TTFT = ttft_factor x (prefill_s + switch_s), "
-                    "medians measured in a Ray worker with one device's share of the cores"}
-
-
-def rate_ratio(rows: dict, a: str, b: str, key: str, rates: list[float]) -> tuple[float | None, str]:
-    """max rate of a / max rate of b, and what kind of number that is."""
-    if a not in rows or b not in rows:
-        return None, "not measured"
-    ra, rb = rows[a].get(key), rows[b].get(key)
-    a_open = ra is not None and ra >= max(rates)  # never fell below: a lower bound
-    if ra is None:
-        return (0.0 if rb is not None else None), f"{a} misses the threshold at every rate"
-    if rb is None:  # b fails even the lowest rate: its max rate is below it
-        return ra / min(rates), f"lower bound: {b} misses the threshold at the lowest rate tested"
-    return ra / rb, "lower bound: " + a + " met the threshold at every rate" if a_open else "measured"
-
-
 # ---------------------------------------------------------------- the command
 
 
 def run(args) -> int:
+    if args.published:
+        from load_tests.published import run_published
+
+        summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
+                                readme=None if (args.gpu or args.quick) else "README.md")
+        print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
+        return 0
+    if args.rescore:
+        return rescore(args)
     if args.via == "http":
         raise ValueError("--via http needs the Serve app (deploy/); it is not wired in yet: use --via engine")
-    from load_tests.contenders import CONTENDERS, Deployment, make_contender
-    from load_tests.report import build_report, max_rate_at, to_markdown, write_report
-    from load_tests.sweep import RunSettings, attainment_by_rate, model_count_sweep, rate_sweep
-    from load_tests.traces import read_trace
+    from load_tests.analysis import analyze_trace
+    from load_tests.contenders import CONTENDERS, Deployment
+    from load_tests.experiment import Experiment, TraceSpec
+    from load_tests.records import write_records
+    from load_tests.search import SearchPlan
+    from load_tests.sweep import RunSettings
     from scheduler.slo import SLO
 
     unknown = [c for c in args.contenders if c not in CONTENDERS]
@@ -193,6 +141,9 @@ def run(args) -> int:
         raise ValueError(f"--sweep takes rate and/or models, got {bad_sweeps}")
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        raise ValueError(f"--seeds must list distinct seeds, got {args.seeds}")
+    seeds = tuple(args.seeds[:1]) if args.quick else tuple(args.seeds)
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
     models = served_models(args.models, args.checkpoint)
     names = list(models)
@@ -203,73 +154,60 @@ def run(args) -> int:
     slo_info = measured_slo(models, args, threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
     settings = RunSettings(max_requests=args.max_requests, duration_s=args.duration,
-                           request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress)
-    if args.trace:
-        workload = read_trace(args.trace, deployed=names, seed=args.seed)
-        ref_rate = args.rate or (len(workload) - 1) / max(workload.duration_s, 1e-9)
-    else:
-        ref_rate = args.rate or 1.0
-        workload = make_workload(args, names, ref_rate, max(args.max_requests, 2))
-    names = [m for m in workload.models] + [m for m in names if m not in workload.models]  # popular first
-    deployment = Deployment({m: models[m] for m in names}, args.workers, engine_config(models, args),
-                            threads, slo)
+                           request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
+                           idle_skip_s=args.idle_skip)
+    trace = TraceSpec(Path(args.trace).stem if args.trace else (
+        args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
+        args.arrival, args.cv, path=args.trace)
+    deployment = Deployment(models, args.workers, engine_config(models, args), threads, slo)
+    ex = Experiment(deployment, args, settings, seeds=seeds, metric=args.sweep_metric,
+                    scheduler=scheduler_overrides(args))
+    first = ex.sample(trace, seeds[0])
+    names = [m for m in first.models] + [m for m in names if m not in first.models]  # popular first
+    deployment = Deployment({m: models[m] for m in names}, args.workers, deployment.engine, threads, slo)
+    ex.deployment = deployment
+    from load_tests.sweep import base_rate
+
+    ref_rate = args.rate or (base_rate(first) if args.trace else 1.0)
     rates = sorted(set(args.rates or [ref_rate * k for k in RATE_STEPS]) | {ref_rate}) \
-        if "rate" in args.sweep else [ref_rate]
-
-    summaries, sweeps, records, turns, notes, warm, all_points = {}, {}, {}, {}, [], {}, {}
+        if "rate" in args.sweep and not args.search else [ref_rate]
+    notes, warm, descriptions = [], {}, {}
     for name in args.contenders:
-        contender = make_contender(name)
-        notes += contender.notes(deployment)
-        logger.info("contender %s: rates %s", name, [round(r, 3) for r in rates])
-        points, warm[name] = rate_sweep(contender, deployment, workload, rates, settings)
-        all_points[name] = points
-        ref = points[min(points, key=lambda r: abs(r - ref_rate))]
-        summaries[name], records[name], turns[name] = ref.summary, ref.records, ref.turns
-        if "rate" in args.sweep:
-            sweeps[name] = attainment_by_rate(points, args.sweep_metric)
-        print(f"{name}: strict {ref.summary['attainment_strict']:.3f} at {ref.rate:.3g} req/s"
-              + (f", sweep {sweeps[name]}" if name in sweeps else ""), file=sys.stderr)
-
-    rows = build_report(summaries, sweeps=sweeps or None, threshold=args.threshold)
-    rate_key = f"max_rate_at_{round(args.threshold * 100)}"
-    out = {"slo": slo_info, "contenders": list(rows), "reference_rate": ref_rate, "rates": rates,
-           "sweep_metric": args.sweep_metric, "threshold": args.threshold, "notes": notes,
-           "deployment": {"models": deployment.models, "num_workers": args.workers,
-                          "threads_per_worker": threads, "engine": deployment.engine},
-           "workload": {"trace": args.trace, "arrival": args.arrival, "cv": args.cv,
-                        "popularity": args.popularity, "lengths": args.lengths,
-                        "max_requests_per_point": args.max_requests, "seed": args.seed},
-           "warm_up_errors": {c: {m: e for m, e in w.items() if e} for c, w in warm.items()}}
-    for name, row in rows.items():
-        row.setdefault(rate_key, None)
-        out[name] = row
-    for other in ("request", "multiplexed", "dedicated"):
-        out[f"token_vs_{other}_rate"], out[f"token_vs_{other}_rate_kind"] = rate_ratio(
-            rows, "token", other, rate_key, rates)
-    if "rate" in args.sweep:   # the same points judged by the other attainment measure, side by side
-        alt_metric = "cumulative" if args.sweep_metric == "strict" else "strict"
-        alt_rows = {}
-        for name, points in all_points.items():
-            alt = attainment_by_rate(points, alt_metric)
-            alt_rows[name] = {rate_key: max_rate_at(alt, args.threshold)}
-            out[name][f"sweep_{alt_metric}"] = alt
-            out[name][f"{rate_key}_{alt_metric}"] = alt_rows[name][rate_key]
-        for other in ("request", "multiplexed", "dedicated"):
-            if "token" in alt_rows and other in alt_rows:
-                out[f"token_vs_{other}_rate_{alt_metric}"], out[f"token_vs_{other}_rate_{alt_metric}_kind"] = \
-                    rate_ratio(alt_rows, "token", other, rate_key, rates)
-
+        with ex.session(name) as session:
+            notes += session.contender.notes(deployment)
+            descriptions[name] = session.contender.describe(deployment)
+            warm[name] = {m: e for m, e in session.warm_up_errors.items() if e}
+            if args.search and "rate" in args.sweep:
+                session.search(trace, SearchPlan(start=ref_rate, threshold=args.threshold,
+                                                 resolution=args.resolution))
+            else:
+                for rate in rates:
+                    session.point(trace, rate)
+    ex.records.run = {"slo": slo_info, "deployment": {"models": deployment.models, "num_workers": args.workers,
+                                                      "threads_per_worker": threads, "engine": deployment.engine},
+                      "workload": {"trace": args.trace, "arrival": args.arrival, "cv": args.cv,
+                                   "popularity": args.popularity, "lengths": args.lengths,
+                                   "max_requests_per_point": args.max_requests, "seeds": list(seeds)},
+                      "scheduler": scheduler_overrides(args)}
+    result = analyze_trace(ex.records, trace.name, slo, args.threshold, args.sweep_metric,
+                           devices={c: deployment.devices(c) for c in args.contenders})
+    out = {**result, **ex.records.run, "slo": slo_info, "reference_rate": ref_rate, "seeds": list(seeds),
+           "notes": notes, "descriptions": descriptions, "warm_up_errors": warm}
+    for name, data in out["contenders"].items():
+        data["at_reference_rate"] = _at_rate(data, ref_rate)
     if "models" in args.sweep:
         best, by_count = _models_sweep(args, models, threads, slo, settings)
         out[f"max_models_per_worker_at_{round(args.threshold * 100)}"] = best
         out["models_sweep"] = {str(n): s for n, s in by_count.items()}
         out["models_sweep_rate_per_model"] = args.model_rate
-
-    markdown = to_markdown(rows, "tokenmux load test") + _markdown_extra(out)
+    records_path = args.records or (str(Path(args.json_path).with_suffix("")) + ".records.jsonl.gz"
+                                    if args.json_path else None)
+    if records_path:
+        write_records(records_path, ex.records)
+        out["records"] = records_path
+    markdown = _markdown(out)
     if args.plots:
-        write_report(args.plots, summaries, sweeps=sweeps or None, records=records, turns=turns,
-                     threshold=args.threshold)
-        (Path(args.plots) / "report.md").write_text(markdown)
+        _plots(args.plots, ex, trace, out, markdown)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
@@ -277,40 +215,104 @@ def run(args) -> int:
     return 0
 
 
+def rescore(args) -> int:
+    """Score saved records under the SLO / threshold / measure of the flags; prints and writes JSON."""
+    from load_tests.analysis import analyze_trace
+    from load_tests.records import read_records
+    from scheduler.slo import SLO
+
+    records = read_records(args.rescore)
+    measured = records.run.get("slo", {})
+    if not measured and (args.slo_ttft is None or args.slo_tbt is None):
+        raise ValueError(f"{args.rescore} does not say its SLO: give --slo-ttft and --slo-tbt")
+    slo = SLO(args.slo_ttft or measured["ttft_s"], args.slo_tbt or measured["tbt_s"])
+    out = {"rescored_from": args.rescore, "slo_driven_with": measured.get("ttft_s") and
+           {"ttft_s": measured["ttft_s"], "tbt_s": measured["tbt_s"]},
+           "traces": {t: analyze_trace(records, t, slo, args.threshold, args.sweep_metric)
+                      for t in records.traces()}}
+    text = json.dumps(out, indent=2, default=_jsonable)
+    if args.json_path:
+        Path(args.json_path).write_text(text + "\n")
+    for trace, result in out["traces"].items():
+        print(_markdown({**result, "slo": {**measured, "ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}}))
+    return 0
+
+
+def _at_rate(data: dict, rate: float) -> dict:
+    closest = min(data["points"], key=lambda r: abs(float(r) - rate))
+    p = data["points"][closest]
+    row = {"rate": float(closest)}
+    for m in ("goodput", "strict", "cumulative"):
+        row[f"attainment_{m}"] = p[m]["mean"]
+        row[f"attainment_{m}_ci"] = [p[m]["lo"], p[m]["hi"]]
+    for key in ("goodput_rps", "strict_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                "tbt_p50_s", "tbt_p99_s", "num_errors"):
+        row[key] = p.get(key)
+    row["num_requests"] = p["num_requests"]
+    return row
+
+
+def _plots(out_dir, ex, trace, out: dict, markdown: str) -> None:
+    from load_tests.report import plot_attainment_bands, plot_cdfs
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    plot_attainment_bands(out, d / "attainment_vs_rate.png")
+    plot_cdfs(ex.records, trace.name, out, d / "latency")
+    (d / "report.md").write_text(markdown)
+
+
 def _models_sweep(args, models, threads, slo, settings):
-    from load_tests.contenders import Deployment, make_contender
-    from load_tests.sweep import at_rate, model_count_sweep
+    """--sweep models: the token contender on one worker over --model-counts (increasing),
+    --model-rate req/s per model, until the sweep measure misses the threshold."""
+    from load_tests.experiment import TraceSpec, measure_model_count
 
-    path = next(iter(models.values()))
-    stem = Path(path).name
-
-    def deployment_for(n: int) -> Deployment:
-        ms = {f"{stem}-{i:02d}": path for i in range(n)}
-        return Deployment(ms, 1, engine_config(ms, args), threads, slo)
-
-    def workload_for(d: Deployment):
-        # at_rate: a short bursty sample's own rate is far from the nominal one; scale it there
-        rate = args.model_rate * len(d.models)
-        return at_rate(make_workload(args, list(d.models), rate, max(args.max_requests, 2)), rate, settings)
-
-    return model_count_sweep(lambda: make_contender("token"), deployment_for, workload_for,
-                             args.model_counts, settings, threshold=args.threshold,
-                             metric=args.sweep_metric)
+    trace = TraceSpec("models", args.arrival, args.cv)
+    seeds = tuple(args.seeds[:1]) if args.quick else tuple(args.seeds)
+    best, by_count = None, {}
+    for n in sorted(set(args.model_counts)):
+        point, _ = measure_model_count(n, next(iter(models.values())), args, threads, slo, settings, seeds,
+                                       args.sweep_metric, trace, args.model_rate)
+        by_count[n] = point
+        if point[args.sweep_metric]["mean"] < args.threshold:
+            break
+        best = n
+    return best, by_count
 
 
-def _markdown_extra(out: dict) -> str:
+def _markdown(out: dict) -> str:
+    from load_tests.report import _estimate_text, _ratio_text
+
     slo = out["slo"]
-    t = slo["derived_from"]
-    lines = ["", f"SLO (same for every contender): TTFT {slo['ttft_s']} s, TBT {slo['tbt_s']} s; "
-             f"{slo['rule']}, measured on this machine with {t['num_threads']} thread(s): "
-             f"prefill {t['prefill_s']:.4f} s ({t['prompt_len']} tokens), decode {t['decode_s']:.4f} s "
-             f"(batch {t['batch_size']}), switch {t['switch_s']:.4f} s.", ""]
-    for key in ("token_vs_request_rate", "token_vs_multiplexed_rate", "token_vs_dedicated_rate"):
-        if out.get(key + "_kind") != "not measured":
-            lines.append(f"- {key}: {out.get(key)} ({out.get(key + '_kind')})")
+    lines = [f"## tokenmux load test: {out.get('trace')}", "",
+             f"Measure for the search and ratios: {out.get('measure')}; threshold {out.get('threshold')}; "
+             f"seeds {out.get('seeds', '?')}.", "",
+             "| contender | devices | max rate goodput | strict | cumulative | at rate | goodput | strict | "
+             "cumulative | TTFT p50 | TTFT p99 | TPOT p99 | TBT p99 |", "|---|" + "---|" * 12]
+    for name, data in out["contenders"].items():
+        rk = next(k for k in data if k.startswith("max_rate_at_"))
+        ref = data.get("at_reference_rate") or {}
+        cells = [_estimate_text(data[rk][m]) for m in ("goodput", "strict", "cumulative")]
+        at = [f"{ref.get('rate', 0):.3g}"] + [f"{ref.get(f'attainment_{m}', 0):.3f}" for m in
+                                               ("goodput", "strict", "cumulative")]
+        lat = [f"{ref[k]:.3g}" if ref.get(k) is not None else "-" for k in
+               ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "tbt_p99_s")]
+        lines.append(f"| {name} | {data['devices']} | " + " | ".join(cells + at + lat) + " |")
+    lines.append("")
+    if "derived_from" in slo:
+        t = slo["derived_from"]
+        lines.append(f"SLO (same for every contender): TTFT {slo['ttft_s']} s, TBT {slo['tbt_s']} s; "
+                     f"{slo.get('rule', '')}, measured with {t['num_threads']} thread(s): prefill "
+                     f"{t['prefill_s']:.4f} s ({t['prompt_len']} tokens), decode {t['decode_s']:.4f} s "
+                     f"(batch {t['batch_size']}), switch {t['switch_s']:.4f} s.")
+        lines.append("")
+    for key in [k for k in out if k.startswith("token_vs_") and k.endswith("_rate")]:
+        lines.append(f"- {key}: {_ratio_text(out, key)} ({out.get(key + '_kind')})")
+    if "token_never_below_request" in out:
+        lines.append(f"- token_never_below_request: {out['token_never_below_request']}")
     for key in [k for k in out if k.startswith("max_models_per_worker")]:
-        lines.append(f"- {key}: {out[key]} (per-model rate {out['models_sweep_rate_per_model']} req/s)")
-    lines += [f"- note: {n}" for n in out["notes"]]
+        lines.append(f"- {key}: {out[key]} (per-model rate {out.get('models_sweep_rate_per_model')} req/s)")
+    lines += [f"- note: {n}" for n in out.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 

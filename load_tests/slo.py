@@ -61,7 +61,7 @@ def default_slo(times: StepTimes, *, tbt_factor: float = DEFAULT_TBT_FACTOR,
 
 def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_size: int = 4,
                        num_decode_steps: int = 16, num_threads: int = 1,
-                       repeats: int = 3) -> StepTimes:
+                       repeats: int = 3, device: str = "cpu", dtype: str | None = None) -> StepTimes:
     """Run one engine in this process (torch threads = one worker's share) and time its steps.
 
     Prefill: `repeats` single prompts of prompt_len tokens. Decode: a batch of batch_size
@@ -82,8 +82,8 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     old_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        engine = Engine(EngineConfig(budget_bytes=_budget_for(model_path), kv_bytes=32 * MiB,
-                                     num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0))
+        engine = Engine(EngineConfig(device=device, dtype=dtype, budget_bytes=_budget_for(model_path),
+                                     kv_bytes=32 * MiB, num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0))
         engine.register_model("a", str(model_path))
         engine.register_model("b", str(model_path))
         n = 0

@@ -12,6 +12,11 @@ BurstGPT files may carry extra columns (Session ID, Elapsed time); they are igno
 rows with `Response tokens` = 0 record failed requests; `drop_failed=True` leaves them
 out (and logs how many). Any other malformed row raises `TraceError` naming the file and
 line: a trace is never replayed with rows silently missing.
+
+Timestamps have a resolution (Aegaeon's 1 ms, BurstGPT's 1 s): requests logged in the same
+tick share one time, and a trace sped up to a higher rate would send them all at one
+instant, a burst no client makes. `read_trace` spreads each such group evenly over its tick
+(`spread_ties`), so a sped-up trace keeps its bursts but never stacks arrivals.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ _COLUMNS: dict[str, tuple[str, str | None, str, str]] = {
     "burstgpt": ("Timestamp", "Model", "Request tokens", "Response tokens"),
 }
 UNASSIGNED_MODEL = "?"  # placeholder for traces without a model column
+RESOLUTION_S = {"aegaeon": 1e-3, "azure": 1e-7, "burstgpt": 1.0}  # one tick of each schema's timestamps
 
 
 class TraceError(ValueError):
@@ -148,6 +154,24 @@ def read_rows(path: str | Path, *, drop_failed: bool = True) -> tuple[str, list[
     return schema, [TraceRequest(t - t0, m, i, o) for t, m, i, o in raw]
 
 
+def spread_ties(rows: Sequence[TraceRequest], resolution_s: float) -> list[TraceRequest]:
+    """Rows sorted by arrival, each group sharing one timestamp spread evenly over the tick
+    after it: k requests at t go to t, t + r/k, ..., t + (k-1) r/k (r the resolution)."""
+    if not resolution_s > 0:
+        raise ValueError(f"resolution_s must be > 0, got {resolution_s!r}")
+    out: list[TraceRequest] = []
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j].arrival_s == rows[i].arrival_s:
+            j += 1
+        k = j - i
+        out += [TraceRequest(r.arrival_s + resolution_s * n / k, r.model, r.input_len, r.output_len)
+                for n, r in enumerate(rows[i:j])]
+        i = j
+    return out
+
+
 def read_azure(path: str | Path) -> list[TraceRequest]:
     schema, rows = read_rows(path)
     if schema != "azure":
@@ -197,14 +221,16 @@ def read_trace(path: str | Path, *, deployed: Sequence[str] | None = None,
                max_requests: int | None = None, drop_failed: bool = True) -> Workload:
     """A trace file as a Workload ready to replay.
 
-    Order of operations: read and sort by arrival; cut the window [start_s, end_s) in the
+    Order of operations: read and sort by arrival, spread requests sharing a timestamp over
+    its tick (spread_ties); cut the window [start_s, end_s) in the
     trace's own time and re-base it to 0; keep the first max_requests; divide times by
     `speedup`; then give models: traces without a model column (Azure) draw one per
     request from `popularity` over `deployed` (default LongTail, seeded by `seed`), the
     others are renamed by `mapping` when `deployed` is given.
     """
-    _, rows = read_rows(path, drop_failed=drop_failed)
+    schema, rows = read_rows(path, drop_failed=drop_failed)
     rows.sort(key=lambda r: r.arrival_s)  # stable: ties keep file order
+    rows = spread_ties(rows, RESOLUTION_S[schema])
     workload = Workload(tuple(rows)).window(start_s, end_s, max_requests)
     if speedup != 1.0:
         workload = workload.time_scaled(speedup)

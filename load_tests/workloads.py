@@ -153,25 +153,41 @@ class Poisson:
 
 @dataclass(frozen=True)
 class Gamma:
-    """Gamma gaps with a chosen coefficient of variation: cv > 1 is burstier than Poisson."""
+    """Gamma gaps with a chosen coefficient of variation: cv > 1 is burstier than Poisson.
+
+    A plain Gamma with cv = 4 (shape 1/16) puts most of its gaps within a hair of 0: 55% of
+    them are under 0.1% of the mean gap, so a burst is dozens of requests at one instant,
+    which no client sends and which no time scaling separates again. The gaps here are
+    shifted: gap = min_gap + Gamma, the Gamma's mean and shape chosen so that the gaps keep
+    exactly the mean 1 / rate and the coefficient of variation cv. min_gap is a share of the
+    mean gap (`min_gap_frac`, default 5%), so a burst arrives at up to 20x the mean rate and
+    a sample time-scaled to another rate keeps the same shape. min_gap_frac = 0 is the plain
+    Gamma.
+    """
 
     rate: float  # requests per second
     cv: float  # std / mean of the gaps
+    min_gap_frac: float = 0.05  # smallest gap, as a share of the mean gap 1 / rate
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
             raise ValueError(f"rate must be > 0, got {self.rate!r}")
         if not self.cv > 0:
             raise ValueError(f"cv must be > 0, got {self.cv!r}")
+        if not 0 <= self.min_gap_frac < 1:
+            raise ValueError(f"min_gap_frac must be in [0, 1), got {self.min_gap_frac!r}")
 
     @property
     def mean_rate(self) -> float:
         return self.rate
 
     def sample(self, rng, duration_s=None, num_requests=None) -> np.ndarray:
-        shape = 1.0 / self.cv**2  # mean = shape * scale = 1/rate, cv = 1/sqrt(shape)
-        scale = 1.0 / (self.rate * shape)
-        return _renewal(lambda g, n: g.gamma(shape, scale, n), 1.0 / self.rate,
+        mean = 1.0 / self.rate
+        floor = self.min_gap_frac * mean
+        # gap = floor + G: E[G] = mean - floor, std(G) = cv * mean (a shift keeps the std)
+        shape = ((mean - floor) / (self.cv * mean)) ** 2
+        scale = (mean - floor) / shape
+        return _renewal(lambda g, n: floor + g.gamma(shape, scale, n), mean,
                         rng, duration_s, num_requests)
 
 

@@ -43,6 +43,8 @@ class SchedulerConfig:
     quota_max_s: float = QUOTA_MAX_S  # Q_max of the quota rule
     min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
     quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
+    overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
+    admit_alpha: float = 0.9  # overload control admits new requests while the next round's alpha <= this
 
     def __post_init__(self) -> None:
         for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps"):
@@ -51,6 +53,10 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
         if not self.quota_max_s > 0:
             raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
+        if not 0 < self.admit_alpha <= 1:
+            raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1], got {self.admit_alpha!r}")
+        if not isinstance(self.overload_control, bool):
+            raise ValueError(f"SchedulerConfig.overload_control must be a bool, got {self.overload_control!r}")
         if self.quota_switch_factor is not None and not self.quota_switch_factor > 0:
             raise ValueError(f"SchedulerConfig.quota_switch_factor must be > 0 or None, "
                              f"got {self.quota_switch_factor!r}")

@@ -13,6 +13,19 @@ estimator), at least one step. A batch alone runs until other work arrives. Duri
 a waiting request of the running model joins without a switch (a prefill step inside the
 turn), unless another model's request has waited longer: FCFS holds across models.
 
+Overload control (`SchedulerConfig.overload_control`, scheduler/overload.py). When the
+quota rule's alpha exceeds 1 the round serves the largest set of batches that fits, least
+slack first, and holds the others (KV kept, or swapped under memory pressure) until a
+round has room; waiting groups of models not decoding compete for the round as well and
+the ones it takes are reserved (prefilled first, decoding from the next round). Between
+rounds, new requests are admitted (prefilled) in order of their TTFT deadline (late ones
+last), each only if its model's batch still fits the next round with `admit_alpha` to spare
+and its prefill fits the round's prefill budget; a request that does not fit waits queued,
+and one that does may pass it (a request of a model already decoding costs its batch
+little). So under overload the admitted streams keep their TBT and the rest wait for room,
+instead of every stream stalling. Step predictions include the measured per-step time
+outside the forward (scheduling, sampling, emitting), a real share of a small model's step.
+
 `prefetch_model` names the model expected after this step (the next prefill group's, or
 the next batch of the round), so the engine can copy its weights in the background.
 """
@@ -21,14 +34,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from scheduler.overload import BatchLoad, RoundPlan, RoundRule, admits, plan_round, select_round
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
-from scheduler.quota import decode_quotas
+from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-9  # seconds: float noise must not cost a turn its last step
+_OVERHEAD_EWMA = 0.05  # weight of each new per-step overhead sample
+_OVERHEAD_MAX_S = 0.05  # a longer gap between steps is a pause (GC, commands), not overhead
 
 
 @dataclass
@@ -45,6 +61,18 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._round: deque[str] = deque()  # models still to take a turn in this round
         self._quotas: dict[str, float] = {}
         self._last_model: str | None = None
+        # Prefill time the rounds can take (a token bucket): each decode step adds its share
+        # (1 / alpha - 1) x its time, up to one round's budget; each prefill spends its time.
+        self._prefill_credit_s = 0.0
+        self._prefill_cap_s = math.inf
+        self._prefill_rate = math.inf
+        self._last_step: tuple[float, float] | None = None  # (schedule time, forward + switch s)
+        self.step_overhead_s = 0.0  # EWMA of a step's wall time outside the forward and switch
+        self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
+        self.last_alpha_all: float | None = None  # alpha had every batch been served (overload signal)
+        self.held: tuple[str, ...] = ()  # models held out of the latest round
+        self._reserved: dict[str, list[str]] = {}  # waiting groups the round took in: model -> ids
+        self.num_held_rounds = 0  # rounds that held at least one batch
 
     @property
     def quotas(self) -> dict[str, float]:
@@ -52,27 +80,89 @@ class TokenLevelPolicy(SchedulingPolicy):
         return dict(self._quotas)
 
     def _choose(self, now: float) -> SchedulerOutput | None:
+        self._observe_overhead(now)
         output = (
             self._continue_group()
             or self._continue_turn(now)
-            or self._start_group()
+            or self._start_group(now)
             or self._start_turn(now)
         )
         if output is not None:
             self._last_model = output.model
             output.prefetch_model = self._expected_next(output.model)
+            self._last_step = (now, 0.0)
         return output
+
+    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0):
+        if self._last_step is not None:
+            self._last_step = (self._last_step[0], step_time_s + switch_time_s)
+        spent = step_time_s + switch_time_s
+        if output.is_prefill:
+            self._prefill_credit_s -= spent
+        elif output.requests:
+            self._prefill_credit_s = min(self._prefill_cap_s, self._prefill_credit_s + self._prefill_rate * spent)
+        finished = super().update(output, sampled, now, step_time_s, switch_time_s)
+        if not self.requests:  # the device goes idle: the next gap is not a step's overhead
+            self._last_step = None
+        return finished
+
+    @property
+    def _controlled(self) -> bool:
+        return self.config.overload_control
 
     # -- prefill groups ------------------------------------------------------------------
 
-    def _start_group(self) -> SchedulerOutput | None:
-        model = self._oldest_waiting_model()
-        if model is None:
+    def _start_group(self, now: float) -> SchedulerOutput | None:
+        group = self._next_group(now)
+        if group is None:
             return None
-        members = [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
-        self._group = (model, members)
+        self._group = group
         self._turn = None
         return self._continue_group()
+
+    def _next_group(self, now: float) -> tuple[str, list[str]] | None:
+        """The group to prefill next: (model, request ids), or None."""
+        if not self._controlled:
+            model = self._oldest_waiting_model()
+            if model is None:
+                return None
+            return model, [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
+        while self._reserved:   # the round made room for these: they go first
+            model = next(iter(self._reserved))
+            queued = {r.request_id for r in self.waiting.get(model, ())}
+            ids = [rid for rid in self._reserved.pop(model) if rid in queued]
+            if ids:
+                return model, ids
+        # by TTFT deadline, those already late last (see overload.priority)
+        heads = sorted((q[0] for q in self.waiting.values() if q),
+                       key=lambda r: (self._slack(r, now) < 0, self._ttft_key(r)))
+        for head in heads:
+            members = self._admissible(head.model, now)
+            if members:
+                return head.model, members
+        return None
+
+    def _admissible(self, model: str, now: float) -> list[str]:
+        """The longest run of `model`'s waiting requests (oldest first) the next round can take."""
+        decoding = [m for m in self.models if m != model and self._has_decode_work(m) and m not in self.held]
+        if not decoding and not self._has_decode_work(model) and not self.held:
+            # an idle device: nothing to keep on time; the decode that follows earns credit anew
+            self._prefill_credit_s = 0.0
+            return [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
+        others = [self._load(m, now) for m in decoding]
+        rule = self._rule()
+        chosen: list[Request] = []
+        for request in list(self.waiting[model])[: self.config.max_prefill_group]:
+            trial = chosen + [request]
+            prefill_s = self.estimator.predict_prefill(
+                model, sum(r.num_new_tokens for r in trial), len(trial))
+            batch = self._load(model, now, extra=trial)
+            if not admits(others + [batch], rule, prefill_s, self._prefill_credit_s,
+                          first_prefill=self._prefill_credit_s >= self._prefill_cap_s,
+                          max_alpha=self.config.admit_alpha):
+                break
+            chosen = trial
+        return [r.request_id for r in chosen]
 
     def _continue_group(self) -> SchedulerOutput | None:
         if self._group is None:
@@ -96,18 +186,37 @@ class TokenLevelPolicy(SchedulingPolicy):
         model = turn.model
         if model not in self.models or not self._has_decode_work(model):
             over = True
-        elif math.isinf(turn.deadline):   # a batch alone runs until other work arrives
-            over = any(m != model and (self.waiting[m] or self.running[m]) for m in self.models)
+        elif math.isinf(turn.deadline):
+            over = self._others_busy(model, now)
         else:
             over = now + self._predict_decode(model) > turn.deadline + _EPS
         if over:
             self._turn = None
             return None
-        if self.waiting[model] and self._oldest_waiting_model() == model:
-            output = self._prefill_step(model, list(self.waiting[model]))
-            if output is not None:
-                return output
+        if self.waiting[model]:
+            joining = self._joining(model, now)
+            if joining:
+                output = self._prefill_step(model, [self.requests[rid] for rid in joining])
+                if output is not None:
+                    return output
         return self._decode_step(model)
+
+    def _joining(self, model: str, now: float) -> list[str]:
+        """Waiting requests of the running model that join its turn without a switch: FCFS
+        across models without overload control; with it, those the next round can take (a
+        request that does not fit may be passed, see the module docstring)."""
+        if not self._controlled:
+            return [r.request_id for r in self.waiting[model]] if self._oldest_waiting_model() == model else []
+        return self._admissible(model, now)
+
+    def _others_busy(self, model: str, now: float) -> bool:
+        if any(m != model and self.running[m] for m in self.models):
+            return True
+        waiting = any(m != model and self.waiting[m] for m in self.models)
+        if not waiting or not self._controlled:
+            return waiting
+        group = self._next_group(now)
+        return group is not None and group[0] != model
 
     def _start_turn(self, now: float) -> SchedulerOutput | None:
         for _ in range(2):  # the current round, then a fresh one
@@ -121,37 +230,94 @@ class TokenLevelPolicy(SchedulingPolicy):
                     switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
                     self._turn = _Turn(model, now + switch + self._quotas[model])
                     return output
-            self._new_round()
-            if not self._round:
-                return None
+            self._new_round(now)
+            if not self._round:   # nothing decodes this round; it may have made room for prefills
+                return self._start_group(now) if self._reserved else None
         return None
 
-    def _new_round(self) -> None:
-        """Order the models with decode work round-robin (starting after the last model
-        that ran) and give each its quota."""
+    def _new_round(self, now: float) -> None:
+        """Choose the round's batches (all of them unless overloaded), order them round-robin
+        (starting after the last model that ran) and give each its quota."""
         names = list(self.models)
         models = [m for m in names if self._has_decode_work(m)]
-        if self._last_model in names and models:
+        self._reserved = {}
+        if not models:
+            self._round, self.held = deque(), ()
+            return
+        loads = [self._load(m, now) for m in models]
+        everyone = plan_round(loads, self._rule())
+        self.last_alpha_all = everyone.alpha
+        if self._controlled:
+            # waiting requests of models not decoding compete for the round too: a batch that
+            # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
+            # token is due
+            groups = {m: list(self.waiting[m])[: self.config.max_prefill_group]
+                      for m in names if self.waiting[m] and m not in models}
+            prospective = [replace(self._load(m, now, extra=g), waiting=True) for m, g in groups.items()]
+            # a decoding batch sits out a round for a waiting one only with two rounds of slack
+            guard = 2 * everyone.decode_s
+            plan: RoundPlan = select_round(loads + prospective, self._rule(), self.config.admit_alpha, guard)
+            self._reserved = {m: [r.request_id for r in groups[m]] for m in plan.models if m in groups}
+        else:
+            plan = everyone
+        if plan.held:
+            self.num_held_rounds += 1
+        self.held = tuple(m for m in plan.held if m in models)
+        served = [m for m in models if m in plan.models]
+        if self._reserved and served:   # quotas of the batches decoding now; reserved ones start next round
+            plan = plan_round([b for b in loads if b.model in served], self._rule())
+        models = served
+        if self._last_model in names:
             start = names.index(self._last_model)
             models.sort(key=lambda m: (names.index(m) - start - 1) % len(names))
         self._round = deque(models)
-        if not models:
-            return
-        # Switch cost of the round: nothing if every model of the round stays resident;
-        # otherwise each turn pays the swap-in of its model.
-        resident = set(models) <= self.resident
-        switch = 0.0 if resident else sum(self.estimator.predict_switch(m) for m in models)
-        slos = [min(r.slo.tbt_s for r in self.running[m]) for m in models]
-        steps = [self._predict_decode(m) for m in models]
-        plan = decode_quotas(slos, steps, switch, self.config.quota_max_s, self.config.min_quota_steps,
-                             self.config.quota_switch_factor)
-        self._quotas = dict(zip(models, plan.quotas_s))
+        self._quotas = dict(zip(plan.models, plan.quota.quotas_s))
+        self._prefill_cap_s = plan.prefill_budget_s
+        self._prefill_rate = 1.0 / plan.alpha - 1.0 if plan.alpha < 1 else 0.0
+        self._prefill_credit_s = min(self._prefill_credit_s, self._prefill_cap_s)
         self.last_alpha = plan.alpha
-        logger.debug("new round %s alpha=%.3f quotas=%s", models, plan.alpha, plan.quotas_s)
+        logger.debug("new round %s held %s reserved %s alpha=%.3f (all: %.3f) quotas=%s", models, self.held,
+                     list(self._reserved), plan.alpha, everyone.alpha, plan.quota.quotas_s)
+
+    # -- predictions ---------------------------------------------------------------------
+
+    def _rule(self) -> RoundRule:
+        c = self.config
+        return RoundRule(c.quota_max_s, c.min_quota_steps, c.quota_switch_factor, frozenset(self.resident))
+
+    def _load(self, model: str, now: float, extra: list[Request] = ()) -> BatchLoad:
+        """`model`'s batch for the next round, with `extra` (waiting) requests joining it."""
+        batch = self.running[model][: self.config.max_batch_size] + list(extra)
+        step = self.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
+        return BatchLoad(model, min(r.slo.tbt_s for r in batch), step + self.step_overhead_s,
+                         self.estimator.predict_switch(model), min(self._slack(r, now) for r in batch))
+
+    @staticmethod
+    def _slack(request: Request, now: float) -> float:
+        """Until the request's next token is due: its first by arrival + TTFT; token k after
+        that by first + k * TBT (the mean-TPOT budget, which a fast first token does not
+        widen). Time a stream has banked by running ahead of its TBT is its slack."""
+        if request.first_token_time is None:
+            return request.arrival_time + request.slo.ttft_s - now
+        return request.first_token_time + request.num_output_tokens * request.slo.tbt_s - now
+
+    def _ttft_key(self, request: Request) -> tuple[float, int]:
+        return (request.arrival_time + request.slo.ttft_s, self._order[request.request_id])
 
     def _predict_decode(self, model: str) -> float:
         batch = self.running[model][: self.config.max_batch_size]
-        return self.estimator.predict_decode(model, max(len(batch), 1), sum(r.num_tokens for r in batch))
+        step = self.estimator.predict_decode(model, max(len(batch), 1), sum(r.num_tokens for r in batch))
+        return step + self.step_overhead_s
+
+    def _observe_overhead(self, now: float) -> None:
+        """A step's wall time (this schedule call - the last one) minus its forward and switch:
+        scheduling, sampling, emitting and the worker's own work between steps."""
+        last, self._last_step = self._last_step, None
+        if last is None:
+            return
+        sample = now - last[0] - last[1]
+        if 0.0 <= sample <= _OVERHEAD_MAX_S:
+            self.step_overhead_s += _OVERHEAD_EWMA * (sample - self.step_overhead_s)
 
     # -- prefetch ------------------------------------------------------------------------
 

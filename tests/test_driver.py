@@ -101,14 +101,21 @@ def test_shutdown_cancels_and_closes_every_stream():
     assert len(engine.sent) == 5 and engine.closed == set(engine.sent)
 
 
-def test_frame_token_times_from_the_server_are_used():
+def test_tokens_are_timed_when_the_client_gets_them_and_server_stamps_kept_beside():
     async def timed(model, prompt, max_tokens, request_id):
         now = time.time()
+        # the server made both tokens long ago, but the client sees them only now, together
         yield OutputFrame(request_id, token_ids=[7, 8], token_times=[now - 0.5, now - 0.25],
                           num_prompt_tokens=11, worker_id="w3")
+        await asyncio.sleep(0.2)
+        yield OutputFrame(request_id, token_ids=[9], token_times=[time.time()])
 
     (r,) = asyncio.run(run(CallableTarget(timed), workload(1, 0.0)))
-    assert r.tbts[0] == pytest.approx(0.25, abs=1e-6)
+    assert r.tbts[0] == 0.0 and r.tbts[1] == pytest.approx(0.2, abs=0.1)
+    assert r.ttft == pytest.approx(0.0, abs=0.1)   # received at once, though made 0.5 s earlier
+    server = r.server_token_times
+    assert server[1] - server[0] == pytest.approx(0.25, abs=1e-6)
+    assert server[0] < r.token_times[0] - 0.4
     assert r.num_prompt_tokens == 11 and r.worker_id == "w3"
 
 
@@ -173,3 +180,20 @@ def test_openai_http_target_streams_sse():
     body = next(b for b in seen if b["model"] == "ids")
     assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 4
     assert len(body["prompt"]) == 6 and all(isinstance(t, int) for t in body["prompt"])
+
+
+def test_idle_stretches_are_skipped_and_times_stay_on_the_workload_clock():
+    engine = SlowEngine(token_s=0.05)   # each request: 3 tokens, 0.15 s
+    w = Workload(tuple(TraceRequest(t, "m", 4, 3) for t in (0.0, 0.05, 30.0, 60.0)))
+    t0 = time.perf_counter()
+    records = asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.3))
+    assert time.perf_counter() - t0 < 3.0          # not the minute the workload spans
+    assert [r.arrival for r in records] == [0.0, 0.05, 30.0, 60.0]
+    for r in records:   # latencies are what they were: measured while the request was in flight
+        assert r.ok and r.ttft == pytest.approx(0.05, abs=0.1)
+        assert r.token_times[-1] - r.arrival == pytest.approx(0.15, abs=0.15)
+    # the second request arrived while the first was in flight: nothing was skipped before it
+    sends = sorted(engine.sent.values())
+    assert sends[1] - sends[0] == pytest.approx(0.05, abs=0.04)
+    with pytest.raises(ValueError, match="idle_skip_s"):
+        asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.0))

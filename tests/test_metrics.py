@@ -1,8 +1,8 @@
 """SLO metrics on hand-computed examples."""
 import pytest
 
-from load_tests.metrics import (RequestRecord, Turn, cumulative_attainment, meets_strict,
-                                summarize, switches_per_second)
+from load_tests.metrics import (RequestRecord, Turn, attainment_key, cumulative_attainment,
+                                meets_goodput, meets_strict, summarize, switches_per_second)
 from scheduler.slo import SLO
 
 
@@ -73,7 +73,7 @@ def test_failed_requests_are_misses_and_out_of_latencies():
     assert s["attainment_cumulative"] == pytest.approx(1 / 3)
     assert s["num_errors"] == 1
     assert s["ttft_p50_s"] == 0.5  # only the good request's TTFT
-    assert s["goodput_rps"] == pytest.approx(0.1)
+    assert s["goodput_rps"] == pytest.approx(0.1) and s["strict_rps"] == pytest.approx(0.1)
 
 
 def test_summary_percentiles_goodput_and_per_model():
@@ -86,7 +86,8 @@ def test_summary_percentiles_goodput_and_per_model():
     assert s["e2e_p50_s"] == pytest.approx(3.3)
     assert s["attainment_strict"] == pytest.approx(3 / 5)  # TTFT 4 and 5 miss 3 s
     assert s["duration_s"] == pytest.approx(5.5)  # first arrival 0, last end 5.5
-    assert s["goodput_rps"] == pytest.approx(3 / 5.5)
+    assert s["strict_rps"] == pytest.approx(3 / 5.5)
+    assert s["goodput_rps"] == pytest.approx(3 / 5.5)   # here goodput and strict agree
     assert s["per_model"]["a"]["attainment_strict"] == 1.0
     assert s["per_model"]["b"]["attainment_strict"] == 0.0
     assert s["per_model"]["b"]["num_requests"] == 2
@@ -100,3 +101,33 @@ def test_switches_per_second_per_worker():
     assert s["switches_per_s_mean"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="ends before it starts"):
         Turn("w", "A", 2, 1)
+
+
+def test_goodput_judges_ttft_and_mean_tpot_not_each_gap():
+    # TTFT 2.9 <= 3, then a stall: token 1 comes at 5.5, after its strict deadline 3 + 2 = 5,
+    # but the mean TPOT (5.9 - 2.9) / 5 = 0.6 s is well inside TBT 2
+    stalled = rec([2.9, 5.5, 5.6, 5.7, 5.8, 5.9])
+    assert meets_goodput(stalled, SLO_3_2) and stalled.tpot == pytest.approx(0.6)
+    assert not meets_strict(stalled, SLO_3_2)
+    slow = rec([1.0, 3.5, 6.0])   # mean TPOT 2.5 > 2, though TTFT is fine
+    assert not meets_goodput(slow, SLO_3_2)
+    late = rec([3.5, 4.0])   # fast afterwards, but the first token came after 3 s
+    assert not meets_goodput(late, SLO_3_2)
+    one = rec([2.0])   # one token: TTFT alone decides
+    assert meets_goodput(one, SLO_3_2) and one.tpot is None
+    assert not meets_goodput(rec([1.0, 1.5], error="boom"), SLO_3_2)
+    s = summarize([stalled, slow, late, one], SLO_3_2, duration_s=4.0)
+    assert s["attainment_goodput"] == pytest.approx(2 / 4)
+    assert s["goodput_rps"] == pytest.approx(2 / 4.0)
+    assert s["tpot_p50_s"] == pytest.approx(0.6)   # of 0.6, 2.5, 0.5
+    assert attainment_key("goodput") == "attainment_goodput"
+    with pytest.raises(ValueError, match="metric"):
+        attainment_key("median")
+
+
+def test_records_round_trip_through_dicts():
+    r = rec([1.0, 2.0], rid="x")
+    r.server_token_times = [0.9, 1.9]
+    assert RequestRecord.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError, match="unknown request record fields"):
+        RequestRecord.from_dict({**r.to_dict(), "colour": "red"})

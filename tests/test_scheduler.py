@@ -273,7 +273,10 @@ def test_round_robin_turns_follow_the_quota_rule():
     turns = []  # [model, seconds spent in its decode steps, switch included]
     while engine.now < 20.0:
         start = engine.now
-        out, _ = engine.step()
+        step = engine.step()
+        if step is None:   # every request finished
+            break
+        out, _ = step
         if not out.is_prefill:
             if turns and turns[-1][0] == out.model:
                 turns[-1][1] += engine.now - start

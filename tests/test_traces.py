@@ -124,3 +124,17 @@ def test_detect_schema():
     assert detect_schema(["TIMESTAMP", "ContextTokens", "GeneratedTokens"]) == "azure"
     assert detect_schema("Timestamp,Model,Request tokens,Response tokens,Total tokens,"
                          "Log Type,Session ID,Elapsed time".split(",")) == "burstgpt"
+
+
+def test_requests_logged_in_one_tick_are_spread_over_it(tmp_path):
+    from load_tests.traces import spread_ties
+
+    f = tmp_path / "ticks.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 + "".join(f"{t},ChatGPT,10,5,15,Conversation log\n" for t in (5, 5, 5, 5, 6, 8, 8)))
+    w = read_trace(f, speedup=100.0)   # BurstGPT: 1 s ticks; sped up 100x
+    times = [r.arrival_s for r in w]
+    assert times == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.03, 0.035])
+    assert len(set(times)) == len(times)   # no two requests at one instant
+    rows = [TraceRequest(1.0, "m", 1, 1)] * 2 + [TraceRequest(2.0, "m", 1, 1)]
+    assert [r.arrival_s for r in spread_ties(rows, 0.1)] == [1.0, 1.05, 2.0]

@@ -34,6 +34,22 @@ def test_gamma_matches_rate_and_burstiness(cv):
     assert g.std() / g.mean() == pytest.approx(cv, rel=0.1)
 
 
+@pytest.mark.parametrize("cv", [2.0, 4.0])
+def test_gamma_bursts_never_put_arrivals_at_one_instant(cv):
+    rate = 3.0
+    t = Gamma(rate=rate, cv=cv).sample(np.random.default_rng(5), num_requests=20_000)
+    g = _gaps(t)
+    assert g.min() >= 0.05 / rate * (1 - 1e-9)   # no gap under 5% of the mean gap
+    assert 1 / g.mean() == pytest.approx(rate, rel=0.08) and g.std() / g.mean() == pytest.approx(cv, rel=0.1)
+    # still bursty: most gaps are short, a few are very long
+    assert np.median(g) < 0.5 / rate
+    # the plain Gamma (no floor) puts most gaps within a hair of 0, which no client sends
+    plain = _gaps(Gamma(rate=rate, cv=cv, min_gap_frac=0.0).sample(np.random.default_rng(5), num_requests=20_000))
+    assert (plain < 1e-3 / rate).mean() > 0.1
+    with pytest.raises(ValueError, match="min_gap_frac"):
+        Gamma(rate, cv, min_gap_frac=1.0)
+
+
 def test_duration_bound_and_mean_rate():
     t = Poisson(10.0).sample(np.random.default_rng(3), duration_s=200.0)
     assert t.max() < 200.0 and np.all(np.diff(t) >= 0)

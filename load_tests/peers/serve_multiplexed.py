@@ -44,6 +44,7 @@ class MultiplexedConfig:
     max_models_per_replica: int = 1
     threads_per_replica: int = 1  # torch intra-op threads: the replica's share of the cores
     serialize_generation: bool = True
+    dtype: str = "float32"  # what from_pretrained loads the weights as (bfloat16 on a GPU)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -145,7 +146,7 @@ class MultiplexedLLM:
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.config.dtype))
         model = model.to(self.device).eval()
         if self.device == "cuda":
             torch.cuda.synchronize()
@@ -248,14 +249,14 @@ class MultiplexedLLM:
 
 def build_multiplexed_app(models: dict[str, str], num_replicas: int, max_models_per_replica: int,
                           threads_per_replica: int, *, max_ongoing_requests: int = 8,
-                          serialize_generation: bool = True) -> serve.Application:
+                          serialize_generation: bool = True, dtype: str = "float32") -> serve.Application:
     """A Serve application of `num_replicas` MultiplexedLLM replicas, one (virtual) GPU each."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas!r}")
     if max_ongoing_requests < 1:
         raise ValueError(f"max_ongoing_requests must be >= 1, got {max_ongoing_requests!r}")
     config = MultiplexedConfig(models, max_models_per_replica, threads_per_replica,
-                               serialize_generation)
+                               serialize_generation, dtype)
     return MultiplexedLLM.options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_gpus": 1, "num_cpus": 0}).bind(config)
@@ -290,12 +291,12 @@ class MultiplexedTarget:
 def start_multiplexed(models: dict[str, str], num_replicas: int = 2, max_models_per_replica: int = 1,
                       threads_per_replica: int = 1, *, app_name: str = APP_NAME,
                       max_ongoing_requests: int = 8, serialize_generation: bool = True,
-                      ignore_eos: bool = True) -> tuple[MultiplexedTarget, Callable[[], None]]:
+                      ignore_eos: bool = True, dtype: str = "float32") -> tuple[MultiplexedTarget, Callable[[], None]]:
     """Deploy on the already-initialised Ray (handles only, no HTTP proxy started by us);
     returns the Target and a function that deletes just this application."""
     app = build_multiplexed_app(models, num_replicas, max_models_per_replica, threads_per_replica,
                                 max_ongoing_requests=max_ongoing_requests,
-                                serialize_generation=serialize_generation)
+                                serialize_generation=serialize_generation, dtype=dtype)
     serve.start(proxy_location="Disabled")  # joins a running Serve as it is
     handle = serve.run(app, name=app_name, route_prefix=None)
 

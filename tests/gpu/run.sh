@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a machine with a CUDA GPU and no internet (under 8 minutes):
+# One-shot GPU check, for a machine with a CUDA GPU and no internet (full mode ~20 minutes, quick ~10):
 #   1. environment: GPU, and which of torch / cupy / ray / ... the python has;
 #   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
 #      package, e.g. ray, is reported and skipped, not counted as a failure);
@@ -8,7 +8,11 @@
 #      the fast kernel path (fused weights, CUDA graphs for decode), with its metrics-overhead section
 #      and `decode_vs_bw_limit`: decode at batch 1 of a 7B-shaped bf16 model against
 #      (weight + KV bytes) / measured HBM bandwidth;
-#   5. the colocate benchmark on 7B-shaped models (`tokenmux bench colocate`; full mode only).
+#   5. the colocate benchmark on 7B-shaped models (`tokenmux bench colocate`; full mode only);
+#   6. the side-by-side load test with real-size models: 8 copies of a 7B shape (random bf16
+#      weights) on the one GPU, token-level vs request-level vs Ray Serve multiplexed
+#      (`tokenmux loadtest --published --gpu`, load_tests/published.py; ~6 min, quick ~3 min;
+#      TOKENMUX_GPU_LOADTEST=0 skips it). Its JSON and records go to $OUT/loadtest-gpu/.
 # Uses the python that already holds torch ($PYTHON, default python3); installs nothing.
 # Results go to $OUT (or /tmp/tokenmux-gpu-check). Exit status: non-zero if a test failed.
 set -uo pipefail
@@ -120,5 +124,23 @@ elif "$PY" -c "import torch, psutil; assert torch.cuda.is_available()" 2>/dev/nu
     fi
 else
     echo "skipped: CUDA or psutil missing"
+fi
+echo "== side-by-side load test (8 x qwen2.5-7b shape on one GPU: token vs request vs Serve multiplexed)"
+# Needs ray (the contenders are Ray actors and a Serve app); the shape is built once (~15 GB,
+# under ~/.cache/tokenmux/shapes) and its host-cache copy lives in /dev/shm.
+if [ "${TOKENMUX_GPU_LOADTEST:-1}" = 0 ]; then
+    echo "skipped: TOKENMUX_GPU_LOADTEST=0"
+elif "$PY" -c "import ray, torch, transformers; assert torch.cuda.is_available()" 2>/dev/null; then
+    LT=(--published --gpu --out "$RESULTS/loadtest-gpu"); LIMIT=480
+    if [ "$QUICK" = 1 ]; then LT+=(--quick); LIMIT=240; fi
+    timeout "$LIMIT" "$PY" -m deploy.cli.main loadtest "${LT[@]}" 2>&1 | tail -60 | tee "$RESULTS/loadtest-gpu.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ]; then
+        echo "gpu load test: timed out (records so far in loadtest-gpu/loadtest-records.jsonl.gz)"
+    elif [ "$rc" -ne 0 ]; then
+        echo "gpu load test failed"; status=1
+    fi
+else
+    echo "skipped: ray, transformers or CUDA missing"
 fi
 exit $status

@@ -1,0 +1,258 @@
+"""Measuring: contenders driven over traces, rates and seeds, every request kept as a record.
+
+A trace is a way to draw a workload (synthetic arrivals of a chosen burstiness, or a trace
+file); seed k draws its k-th sample (a file trace: its k-th window of `max_requests`
+requests). A point is one contender at one rate: every seed's sample, time-scaled to
+exactly that rate (`sweep.at_rate`), replayed open loop, its records added to the
+experiment's RecordSet under (contender, trace, rate, seed). The point's value is the mean
+over seeds of the sweep measure's attainment, which is what the rate search
+(load_tests/search.py) reads.
+
+A Session starts one contender, warms it up (one short request per model), measures any
+number of points, then stops it, so a contender is started once however many points it
+is measured at, and never shares the cores with another contender.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from load_tests import driver
+from load_tests.contenders import Contender, Deployment, make_contender, warm_up
+from load_tests.metrics import RequestRecord, attainment_key, summarize
+from load_tests.records import PointKey, RecordSet
+from load_tests.search import SearchPlan, SearchResult, find_max_rate
+from load_tests.sweep import RunSettings, at_rate
+from load_tests.workloads import Workload
+
+logger = logging.getLogger(__name__)
+
+DEDICATED_IDLE_SKIP_S = 1.0  # a dedicated device replaying one model's share skips idle past this
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """How to draw one seed's workload."""
+
+    name: str  # the label in records and reports ("bursty", "poisson", ...)
+    arrival: str = "gamma"  # gamma | poisson | onoff (synthetic)
+    cv: float = 4.0  # Gamma arrivals' coefficient of variation
+    path: str | None = None  # a trace file instead of synthetic arrivals
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a trace needs a name")
+        if self.path is None and self.arrival not in ("gamma", "poisson", "onoff"):
+            raise ValueError(f"arrival must be gamma, poisson or onoff, got {self.arrival!r}")
+
+    def describe(self) -> dict:
+        if self.path:
+            return {"name": self.name, "file": self.path}
+        out = {"name": self.name, "arrival": self.arrival}
+        if self.arrival == "gamma":
+            out["cv"] = self.cv
+        return out
+
+
+@dataclass
+class Experiment:
+    deployment: Deployment
+    workload_args: object  # the loadtest arguments that shape synthetic workloads (run_setup.make_workload)
+    settings: RunSettings
+    seeds: tuple[int, ...] = (0, 1, 2)
+    metric: str = "goodput"
+    records: RecordSet = field(default_factory=RecordSet)
+    scheduler: dict = field(default_factory=dict)  # SchedulerConfig fields of the token contender
+    _samples: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ValueError("an experiment needs at least one seed")
+        attainment_key(self.metric)  # validates the measure's name
+
+    def sample(self, trace: TraceSpec, seed: int) -> Workload:
+        """Seed `seed`'s workload of `trace` (max_requests requests, any base rate)."""
+        key = (trace, seed)
+        if key not in self._samples:
+            self._samples[key] = self._draw(trace, seed)
+        return self._samples[key]
+
+    def _draw(self, trace: TraceSpec, seed: int) -> Workload:
+        from load_tests.run_setup import make_workload
+
+        n = self.settings.max_requests
+        names = list(self.deployment.models)
+        if trace.path:
+            from load_tests.traces import read_trace
+
+            whole = read_trace(trace.path, deployed=names, seed=seed)
+            if len(whole) < (seed + 1) * n:
+                raise ValueError(f"{trace.path} has {len(whole)} requests: too few for seed {seed} "
+                                 f"windows of {n}")
+            start = whole[seed * n].arrival_s
+            return whole.window(start, None, n)
+        args = replace_args(self.workload_args, arrival=trace.arrival, cv=trace.cv, seed=seed)
+        return make_workload(args, names, 1.0, max(n, 2))
+
+    def session(self, name: str) -> "Session":
+        return Session(self, make_contender(name, self.scheduler))
+
+
+def replace_args(args, **changes):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(args), **changes})
+
+
+class Session:
+    def __init__(self, experiment: Experiment, contender: Contender):
+        self.experiment = experiment
+        self.contender = contender
+        self.target = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.warm_up_errors: dict[str, str | None] = {}
+
+    @property
+    def name(self) -> str:
+        return self.contender.name
+
+    def __enter__(self) -> "Session":
+        self.loop = asyncio.new_event_loop()
+        self.target = self.contender.start(self.experiment.deployment)
+        try:
+            self.warm_up_errors = self.loop.run_until_complete(
+                warm_up(self.target, list(self.experiment.deployment.models)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        bad = {m: e for m, e in self.warm_up_errors.items() if e}
+        if bad:
+            logger.warning("%s: warm-up failed for %s", self.name, bad)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.contender.stop()
+        finally:
+            if self.loop is not None:
+                self.loop.close()
+            self.loop = self.target = None
+
+    def point(self, trace: TraceSpec, rate: float) -> float:
+        """Measure every seed at `rate`; returns their mean attainment by the sweep measure."""
+        ex = self.experiment
+        key = attainment_key(ex.metric)
+        values = []
+        for seed in ex.seeds:
+            point = PointKey(self.name, trace.name, float(rate), seed)
+            if point not in ex.records.points:
+                workload = at_rate(ex.sample(trace, seed), rate, ex.settings)
+                ex.records.add(point, self._drive(workload, seed))
+            summary = summarize(ex.records.points[point], ex.deployment.slo)
+            values.append(summary[key] or 0.0)
+        mean = statistics.mean(values)
+        logger.info("%s on %s at %.4g req/s: %s %.3f (seeds %s)", self.name, trace.name, rate, ex.metric,
+                    mean, [round(v, 3) for v in values])
+        return mean
+
+    def search(self, trace: TraceSpec, plan: SearchPlan, also: Sequence[float] = ()) -> SearchResult:
+        """Measure the rates in `also`, then bracket and bisect (see load_tests/search.py)."""
+        known = {float(r): self.point(trace, r) for r in also}
+        return find_max_rate(lambda r: self.point(trace, r), plan, known)
+
+    def _drive(self, workload: Workload, seed: int) -> list[RequestRecord]:
+        settings = self.experiment.settings
+        if getattr(self.contender, "sequential_by_model", False):
+            return self._drive_by_model(workload, seed)
+        records = self.loop.run_until_complete(driver.run(
+            self.target, workload, request_timeout_s=settings.request_timeout_s,
+            vocab_size=settings.vocab_size, seed=seed, progress=settings.progress,
+            idle_skip_s=settings.idle_skip_s))
+        if settings.settle_s:
+            time.sleep(settings.settle_s)
+        return records
+
+    def _drive_by_model(self, workload: Workload, seed: int) -> list[RequestRecord]:
+        """Each model's requests on a device of its own, one device after another; records
+        come back in the workload's order, on the workload's clock (each device's idle
+        stretches are skipped: it serves its own model only, so it is mostly idle)."""
+        settings = self.experiment.settings
+        out: dict[int, RequestRecord] = {}
+        for model in workload.models:
+            idx = [i for i, r in enumerate(workload) if r.model == model]
+            sub = Workload(tuple(workload[i] for i in idx))
+            recs = self.loop.run_until_complete(driver.run(
+                self.target, sub, request_timeout_s=settings.request_timeout_s,
+                vocab_size=settings.vocab_size, seed=seed, progress=False,
+                idle_skip_s=settings.idle_skip_s or DEDICATED_IDLE_SKIP_S))
+            for i, rec in zip(idx, recs):
+                out[i] = replace(rec, request_id=f"req-{i:06d}")
+            if settings.settle_s:
+                time.sleep(settings.settle_s)
+        return [out[i] for i in range(len(workload))]
+
+
+def count_search(measure: Callable[[int], float], start: int, threshold: float, *, max_count: int,
+                 resolution: float = 1.1) -> tuple[int | None, int | None, list[int]]:
+    """The model-count analogue of find_max_rate, on integers: double from `start` until the
+    threshold is missed (or max_count), then bisect. Returns (largest count that met it,
+    smallest above it that missed, counts measured)."""
+    seen: dict[int, float] = {}
+    order: list[int] = []
+
+    def ok(n: int) -> bool:
+        if n not in seen:
+            seen[n] = measure(n)
+            order.append(n)
+        return seen[n] >= threshold
+
+    if not ok(start):
+        return None, start, order
+    lo, hi = start, None
+    while hi is None:
+        up = min(lo * 2, max_count)
+        if up == lo:
+            return lo, None, order
+        if ok(up):
+            lo = up
+        else:
+            hi = up
+    while hi - lo > 1 and hi / lo > resolution:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi, order
+
+
+def measure_model_count(n: int, checkpoint: str, args, threads: int, slo, settings, seeds, metric: str,
+                        trace: TraceSpec, rate_per_model: float) -> tuple[dict, RecordSet]:
+    """The token contender on one worker serving n copies of `checkpoint`, at n x rate_per_model
+    req/s: the point's summary (analysis.point_summary) and its records."""
+    from load_tests.analysis import point_summary
+    from load_tests.run_setup import engine_config, served_models
+
+    models = served_models(str(n), checkpoint)
+    deployment = Deployment(models, 1, engine_config(models, args), threads, slo)
+    ex = Experiment(deployment, args, settings, seeds=tuple(seeds), metric=metric)
+    rate = float(f"{rate_per_model * n:.4g}")
+    with ex.session("token") as s:
+        s.point(trace, rate)
+    summary = point_summary(ex.records.select("token", trace.name)[rate], slo)
+    summary["num_models"], summary["rate"] = n, rate
+    return summary, ex.records
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")
+    return path

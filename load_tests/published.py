@@ -1,0 +1,305 @@
+"""The published side-by-side run: one command, every figure the README's load-test table shows.
+
+    tokenmux loadtest --published [--out docs/results] [--short | --quick | --gpu]
+
+(--short: the reduced preset of Preset.short, ~30 min; --quick: tests; --gpu: one CUDA device.)
+
+What it runs, on this machine, each contender alone on the cores (load_tests/experiment.py):
+
+  deployment  12 copies of a tiny zoo checkpoint (llama-tiny-a, ~1M parameters) on ONE
+              device (DeviceWorker / Serve replica) holding 2 of them at a time, 1 torch
+              thread; SLO measured from that model's own step times (load_tests/slo.py)
+  traces      "bursty" (the loadtest default: Gamma arrivals CV 4, Zipf(1) popularity,
+              Azure conversation lengths) and "poisson" (the same with Poisson arrivals)
+  points      3 seeds x 120 requests each; mean and 95% CI per rate and measure; when
+              nothing is in flight for 1 s the driver skips to the next arrival (a bursty
+              trace's silences cost no wall time; the system is empty, nothing changes)
+  token       bracket by doubling from the start rate (halving to start/4 if it misses
+              there), bisect to <= 10%, then the doubling grid one step past its failure (the
+              rates every other contender shares)
+  request     that grid plus its own search and bisection (so "never below" compares like
+              rates)
+  multiplexed Ray Serve @serve.multiplexed at max_ongoing_requests 1, 2, 8: searched up from
+              the start rate (a configuration that misses there is "never reaches 90% even at")
+  ablations   token without the quota cap, without overload control: at token's bracket and
+              the grid above half of it, where overload starts (bursty trace)
+  dedicated   12 devices (one per model), at the highest rate token met the threshold
+  SLO table   every record re-scored under TTFT:TPOT = 16 and 100 and the SLO x0.5, x1, x2
+  models      max models one worker serves at 90% goodput with 0.1 req/s each (Aegaeon's
+              setting: every model a Poisson stream of 0.1 req/s)
+
+Rates are not fixed numbers: the start rate of each trace is a fraction of the model's
+service rate mu = 1 / (prefill + mean output tokens x decode step), from the same measured
+step times as the SLO, so a faster engine moves rates, SLOs and run time together and the
+design stays self-consistent.
+
+It writes docs/results/loadtest-{bursty,poisson,models}.json, the records of every request
+(loadtest-records.jsonl.gz, enough to re-score: `tokenmux loadtest --rescore FILE`),
+attainment-vs-rate and latency-CDF plots, loadtest-report.md, and refreshes the README's
+load-test table between its markers.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from load_tests.search import SearchPlan, doubling_grid
+
+logger = logging.getLogger(__name__)
+
+MUXES = ("multiplexed-1", "multiplexed-2", "multiplexed-8")
+ABLATIONS = ("token-no-cap", "token-no-overload")
+
+
+@dataclass(frozen=True)
+class Preset:
+    models: int = 12
+    checkpoint: str = "llama-tiny-a"
+    slots: int = 2
+    threads: int = 1
+    seeds: tuple[int, ...] = (0, 1, 2)
+    max_requests: int = 120
+    threshold: float = 0.9
+    metric: str = "goodput"
+    resolution: float = 1.1
+    max_rate_factor: float | None = None  # search no higher than start x this (None: until it misses)
+    # start rate of each trace as a fraction of the service rate mu (see the module docstring):
+    # low enough that request-level still meets the threshold there on this machine
+    start_fraction: dict = field(default_factory=lambda: {"bursty": 0.015, "poisson": 0.1})
+    probe_down: float = 4.0  # token and request halve down to start / this when the start misses
+    contenders: tuple[str, ...] = ("token", "request", *MUXES, *ABLATIONS, "dedicated")
+    ablation_traces: tuple[str, ...] = ("bursty",)
+    model_rate: float = 0.1  # req/s per model in the models sweep
+    model_start: int = 16  # the models sweep doubles from here
+    max_models: int = 128
+    request_timeout_factor: float = 4.0  # timeout = this x (TTFT SLO + max_output x TBT SLO), >= 2 s
+    settle_s: float = 0.5
+    idle_skip_s: float | None = 0.5  # skip the driver's clock over idle stretches past this (driver.run)
+    max_input: int = 256  # Azure conversation lengths x 0.125 (input) and x 0.25 (output), clipped here
+    max_output: int = 256
+    kv_mb: float = 64.0
+    device: str = "cpu"
+    dtype: str | None = None
+    traces: tuple[str, ...] = ("bursty", "poisson")
+    models_sweep: bool = True
+    # measure every contender at these x mu instead of searching: one tuple for every trace,
+    # or a dict trace -> tuple
+    fixed_fractions: tuple[float, ...] | dict | None = None
+
+    @classmethod
+    def gpu(cls, quick: bool = False) -> "Preset":
+        """The same side-by-side on one GPU with real-size models: 8 copies of a 7B shape
+        (random bf16 weights, load_tests/bench/shapes.py), 3 of them resident at a time in
+        the budget, the rest swapped in from the host cache over PCIe (the peer loads with
+        from_pretrained). Device time is short, so: the Poisson trace, a fixed grid of rates
+        (fractions of mu) instead of a search, 1 seed x 40 requests (quick: token and request,
+        2 rates x 24 requests). Sized for ~6 minutes (quick ~3) on an H200; not run yet."""
+        if quick:
+            return cls(models=8, checkpoint="shape:qwen2.5-7b", slots=3, threads=4, seeds=(0,), max_requests=24,
+                       contenders=("token", "request"), kv_mb=16384.0, device="cuda", dtype="bfloat16",
+                       traces=("poisson",), models_sweep=False, settle_s=0.5, fixed_fractions=(0.5, 1.0))
+        return cls(models=8, checkpoint="shape:qwen2.5-7b", slots=3, threads=4, seeds=(0,), max_requests=40,
+                   contenders=("token", "request", "multiplexed-8"), kv_mb=16384.0, device="cuda",
+                   dtype="bfloat16", traces=("poisson",), models_sweep=False, settle_s=0.5,
+                   fixed_fractions=(0.25, 0.5, 1.0))
+
+    @classmethod
+    def short(cls) -> "Preset":
+        """The published run cut to ~30 minutes of a shared 2-core machine: the same 12 models,
+        SLO, traces and 3 seeds, but 60 requests per point (not 120), a fixed grid of 4 rates
+        per trace (fractions of mu, doubling: the max rate at 90% is interpolated between
+        grid points, not bisected to 10%), token, request and one Serve configuration
+        (max_ongoing_requests 8), no ablations, no dedicated fleet, no models sweep."""
+        return cls(max_requests=60, contenders=("token", "request", "multiplexed-8"), models_sweep=False,
+                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.1, 0.2, 0.4, 0.8)})
+
+    @classmethod
+    def quick(cls) -> "Preset":
+        """The same code paths in about a minute (tests): 3 models, 2 seeds x 10 requests."""
+        return cls(models=3, seeds=(0, 1), max_requests=8, resolution=1.9, model_start=2, max_models=4,
+                   start_fraction={"bursty": 0.5, "poisson": 0.5}, max_rate_factor=4.0,
+                   contenders=("token", "request", "multiplexed-1", "token-no-overload", "dedicated"),
+                   settle_s=0.2)
+
+
+def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
+                  short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None) -> dict:
+    """Run everything and write the results; returns the summary."""
+    from types import SimpleNamespace
+
+    from cluster.ray_runtime import connect_or_start
+    from load_tests.contenders import Deployment
+    from load_tests.experiment import Experiment, TraceSpec
+    from load_tests.records import write_records
+    from load_tests.run_setup import engine_config, measured_slo, served_models
+    from load_tests.sweep import RunSettings
+    from scheduler.slo import SLO
+
+    p = preset or (Preset.gpu(quick) if gpu else Preset.quick() if quick else Preset.short() if short else Preset())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    args = SimpleNamespace(arrival="gamma", cv=4.0, popularity="zipf", zipf_alpha=1.0, lengths="azure",
+                           input_scale=0.125, output_scale=0.25, max_input=p.max_input, max_output=p.max_output,
+                           seed=0, kv_mb=p.kv_mb, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None,
+                           device=p.device, dtype=p.dtype)
+    connect_or_start(num_virtual_gpus=1, log_to_driver=False)
+    models = served_models(str(p.models), p.checkpoint)
+    slo_info = measured_slo(models, args, p.threads)
+    slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
+    timeout = max(2.0, p.request_timeout_factor * (slo.ttft_s + args.max_output * slo.tbt_s))
+    settings = RunSettings(max_requests=p.max_requests, request_timeout_s=timeout, settle_s=p.settle_s,
+                           idle_skip_s=p.idle_skip_s)
+    deployment = Deployment(models, 1, engine_config(models, args), p.threads, slo)
+    ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric)
+    traces = [t for t in (TraceSpec("bursty", "gamma", 4.0), TraceSpec("poisson", "poisson")) if t.name in p.traces]
+    ex.records.run = {"preset": _asdict(p), "slo": slo_info, "request_timeout_s": timeout,
+                      "deployment": {"models": models, "num_workers": 1, "threads_per_worker": p.threads,
+                                     "engine": deployment.engine},
+                      "traces": [t.describe() for t in traces], "workload": vars(args)}
+    mu = service_rate(slo_info["derived_from"], ex, traces)
+    starts = {t.name: _round(p.start_fraction[t.name] * mu) for t in traces}
+    timings: dict[str, float] = {}
+    plans: dict[str, dict] = {t.name: {} for t in traces}
+    descriptions: dict[str, str] = {}
+
+    def phase(name: str, fn):
+        t0 = time.time()
+        result = fn()
+        timings[name] = round(time.time() - t0, 1)
+        logger.info("phase %s done in %.0f s", name, timings[name])
+        return result
+
+    def plan(rate: float, down: bool = True) -> SearchPlan:
+        top = rate * p.max_rate_factor if p.max_rate_factor else None
+        return SearchPlan(start=rate, threshold=p.threshold, resolution=p.resolution, max_rate=top,
+                          min_rate=rate / p.probe_down if down else rate)
+
+    # token first: its search sets the grid every other contender shares
+    grids: dict[str, list[float]] = {}
+    with ex.session("token") as s:
+        descriptions["token"] = s.contender.describe(deployment)
+        for t in traces:
+            if p.fixed_fractions:   # a fixed grid (the GPU preset: device time is short)
+                fractions = p.fixed_fractions[t.name] if isinstance(p.fixed_fractions, dict) else p.fixed_fractions
+                grids[t.name] = [_round(f * mu) for f in fractions]
+                phase(f"token/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+                continue
+            res = phase(f"token/{t.name}", lambda: s.search(t, plan(starts[t.name])))
+            # the search may have probed below the start rate (it missed there): the grid then starts lower
+            lowest = min(starts[t.name], res.lo or res.hi or starts[t.name])
+            top = max((res.hi or res.lo or starts[t.name]) * 2, lowest)
+            grids[t.name] = doubling_grid(lowest, top)
+            phase(f"token/{t.name}/grid", lambda: [s.point(t, r) for r in grids[t.name]])
+            plans[t.name]["token"] = {"lo": res.lo, "hi": res.hi}
+    for name in [c for c in p.contenders if c != "token"]:
+        todo = [t for t in traces if name not in ABLATIONS or t.name in p.ablation_traces]
+        with ex.session(name) as s:
+            descriptions[name] = s.contender.describe(deployment)
+            for t in todo:
+                token = plans[t.name].get("token", {})
+                if p.fixed_fractions:
+                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+                elif name == "dedicated":   # the fleet at the highest rate token met the threshold
+                    phase(f"{name}/{t.name}", lambda: s.point(t, token.get("lo") or starts[t.name]))
+                elif name in ABLATIONS:   # where overload starts: the top of the grid, token's bracket
+                    lo = token.get("lo") or starts[t.name]
+                    rates = sorted({r for r in grids[t.name] if r >= lo / 2} | {lo, token.get("hi") or lo})
+                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in rates])
+                else:   # request: the shared grid, then its own search; the Serve peer: from the start only
+                    also = grids[t.name] if name == "request" else ()
+                    down = name == "request"
+                    res = phase(f"{name}/{t.name}", lambda: s.search(t, plan(starts[t.name], down), also=also))
+                    plans[t.name][name] = {"lo": res.lo, "hi": res.hi}
+        write_records(out / "loadtest-records.jsonl.gz", ex.records)   # progress survives a crash
+    models_result = phase("models", lambda: models_sweep(p, args, settings, slo, out)) if p.models_sweep else None
+    write_records(out / "loadtest-records.jsonl.gz", ex.records)
+    elapsed = time.time() - t_start
+    meta = {"elapsed_s": round(elapsed, 1), "phase_s": timings, "service_rate_rps": mu, "start_rates": starts,
+            "grids": grids, "searches": plans, "descriptions": descriptions,
+            "devices": {c: deployment.devices(c) for c in p.contenders}}
+    return write_outputs(ex.records, slo, out, meta=meta, models=models_result, readme=readme)
+
+
+def service_rate(times: dict, ex, traces) -> float:
+    """mu = 1 / (prefill of the SLO's prompt + mean output tokens x decode step), req/s."""
+    outputs = [r.output_len for t in traces for s in ex.seeds for r in ex.sample(t, s)]
+    return 1.0 / (times["prefill_s"] + statistics.mean(outputs) * times["decode_s"])
+
+
+def models_sweep(p: Preset, args, settings, slo, out: Path) -> dict:
+    """Largest model count one worker serves at the threshold with 0.1 req/s per model:
+    Aegaeon's setting (each model a Poisson stream of 0.1 req/s: Poisson arrivals, uniform
+    popularity). Its records go to loadtest-models-records.jsonl.gz (trace "models-N")."""
+    from load_tests.experiment import TraceSpec, count_search, measure_model_count, replace_args
+    from load_tests.records import PointKey, RecordSet, write_records
+
+    trace = TraceSpec("models", "poisson")
+    args = replace_args(args, popularity="uniform")
+    per_count: dict[int, dict] = {}
+    kept = RecordSet(run={"slo": {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}, "rate_per_model": p.model_rate})
+
+    def measure(n: int) -> float:
+        summary, records = measure_model_count(n, p.checkpoint, args, p.threads, slo, settings, p.seeds,
+                                               p.metric, trace, p.model_rate)
+        for key, recs in records.points.items():
+            kept.add(PointKey(key.contender, f"{trace.name}-{n}", key.rate, key.seed), recs)
+        write_records(out / "loadtest-models-records.jsonl.gz", kept)
+        per_count[n] = {"rate": summary["rate"], **{m: summary[m] for m in ("goodput", "strict", "cumulative")}}
+        return summary[p.metric]["mean"]
+
+    best, above, order = count_search(measure, p.model_start, p.threshold, max_count=p.max_models,
+                                      resolution=p.resolution)
+    kind = "measured" if best is not None and above is not None else (
+        "lower bound: the largest count tested met the threshold" if best is not None else
+        f"below {p.model_start}: the smallest count tested missed the threshold")
+    return {"max_models_per_worker_at_90": best, "max_models_per_worker_at_90_kind": kind,
+            "first_count_missing": above, "rate_per_model": p.model_rate, "measure": p.metric,
+            "counts_measured": order, "trace": trace.describe(),
+            "points": {str(n): per_count[n] for n in sorted(per_count)},
+            "note": f"counts below {p.model_start} are not measured (each costs more time than the last: "
+                    f"{p.max_requests} requests at {p.model_rate} req/s per model)"}
+
+
+def write_outputs(records, slo, out: Path, *, meta: dict, models: dict | None, readme) -> dict:
+    """Analyse the records and write every published file; returns the summary."""
+    from load_tests.analysis import analyze_trace, slo_sensitivity
+    from load_tests.experiment import write_json
+    from load_tests.report import plot_cdfs, plot_attainment_bands, published_markdown, update_readme
+
+    summary = {"measure": "goodput", "meta": meta, "traces": {}}
+    for trace in records.traces():
+        result = analyze_trace(records, trace, slo, metric="goodput", devices=meta.get("devices"))
+        result["slo_sensitivity"] = slo_sensitivity(records, trace, slo)
+        result["run"] = records.run
+        result["meta"] = meta
+        for name, data in result["contenders"].items():
+            data["description"] = meta.get("descriptions", {}).get(name, name)
+        write_json(out / f"loadtest-{trace}.json", result)
+        plot_attainment_bands(result, out / f"loadtest-{trace}-attainment.png")
+        plot_cdfs(records, trace, result, out / f"loadtest-{trace}")
+        summary["traces"][trace] = {k: v for k, v in result.items()
+                                    if k.startswith("token_vs_") or k.startswith("token_never") or k == "best_multiplexed"}
+    if models is not None:
+        write_json(out / "loadtest-models.json", models)
+        summary["max_models_per_worker_at_90"] = models["max_models_per_worker_at_90"]
+        summary["max_models_per_worker_at_90_kind"] = models["max_models_per_worker_at_90_kind"]
+    markdown = published_markdown(out, summary)
+    (out / "loadtest-report.md").write_text(markdown)
+    if readme:
+        update_readme(readme, markdown)
+    write_json(out / "loadtest-summary.json", summary)
+    return summary
+
+
+def _asdict(p: Preset) -> dict:
+    from dataclasses import asdict
+
+    return asdict(p)
+
+
+def _round(rate: float) -> float:
+    return float(f"{rate:.3g}")
