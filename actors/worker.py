@@ -105,11 +105,23 @@ class EngineLoop:
                 fn, args, future = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            # From here the caller can no longer cancel the call. If it already did (a client that
+            # disconnected cancels the await), the call still runs, so that what the caller's
+            # cleanup assumes may have happened (a request added, then aborted) did, but nobody
+            # gets its result: setting one on a cancelled future raises, and that once killed
+            # this thread and wedged the worker for good (issue 12).
+            wanted = future.set_running_or_notify_cancel()
             self._flush()   # a command (detach, abort, stats) sees every frame made so far delivered
             try:
-                future.set_result(fn(*args))
+                result = fn(*args)
             except Exception as exc:
-                future.set_exception(exc)
+                if wanted:
+                    future.set_exception(exc)
+                else:
+                    logger.warning("%s failed after its caller left: %s", getattr(fn, "__name__", fn), exc)
+            else:
+                if wanted:
+                    future.set_result(result)
 
 
 class DeviceWorker:

@@ -6,12 +6,13 @@ installs Debian's `prometheus` package first when it runs as root.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.net import free_port
 
 PROMETHEUS_MISSING = ("the `prometheus` binary is not on PATH: `make test` installs Debian's package when run as "
                       "root (apt-get install -y prometheus); otherwise install it with your package manager or put "
@@ -20,12 +21,6 @@ PROMETHEUS_MISSING = ("the `prometheus` binary is not on PATH: `make test` insta
 
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrometheusServer:

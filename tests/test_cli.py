@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+
+from tests.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,6 @@ def _env(**extra: str) -> dict[str, str]:
 def _tokenmux(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli.main", *args], capture_output=True, text=True,
                           cwd=REPO, env=_env(**env), timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -61,7 +56,7 @@ def test_a_bad_model_path_fails_in_one_line_before_ray_starts(tmp_path):
 
 
 def test_status_and_shutdown_with_nothing_running_say_so_in_one_line():
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     status = _tokenmux("status", "--address", address)
     assert status.returncode == 1 and "nothing running" in _one_error_line(status) and address in status.stderr
     shutdown = _tokenmux("shutdown", "--address", address)
@@ -93,7 +88,7 @@ def _listening(root: psutil.Process) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 def test_bare_serve_serves_words_on_loopback_and_stops_cleanly_on_sigterm():
-    port = _free_port()
+    port = free_port()
     env = _env()
     env.pop("RAY_AUTH_MODE", None)   # tokenmux's own default (Ray's token auth), not the test session's
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--port", str(port)], cwd=REPO,

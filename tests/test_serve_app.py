@@ -7,23 +7,18 @@ One app for the whole module (Serve start-up is slow here); the last test shuts 
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import pytest
+
+from tests.net import free_port
 
 APP = "tokenmux"
 MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b"}
 MiB = 1 << 20
 ARGS = {"models": MODELS, "devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB,
         "kv_fraction": 0.25, "host_kv_gb": 0.01, "num_slots": 2, "max_tokens_cap": 2000}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +28,7 @@ def url(ray_session):
     from deploy.cli.commands import run_local
 
     rest = {k: v for k, v in ARGS.items() if k != "models"}
-    with run_local(MODELS, port=_free_port(), app_name=APP, **rest) as base:   # joins the session Ray
+    with run_local(MODELS, port=free_port(), app_name=APP, **rest) as base:   # joins the session Ray
         yield base
     assert APP not in serve.status().applications
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,11 @@ import httpx
 import pytest
 import yaml
 
+from tests.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "deploy" / "serve_app" / "serve_config.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -48,13 +43,13 @@ def head(zoo_model):
     config = yaml.safe_load(CONFIG.read_text())
     for source in config["applications"][0]["args"]["models"].values():
         zoo_model(source.removeprefix("zoo:"))   # built here, so the replica only loads them
-    gcs_port, dash_port = _free_port(), _free_port()
+    gcs_port, dash_port = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="tmd", dir="/tmp")
     log = open(Path(temp_dir) / "head.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=2", "--num-gpus=2",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-         f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+         f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
          "--object-store-memory=200000000", f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     dashboard = f"http://127.0.0.1:{dash_port}"
@@ -103,7 +98,7 @@ def _app_status(dashboard: str) -> str:
 def test_serve_deploy_the_config_query_and_shut_down(head, tmp_path):
     gcs, dashboard, _ = head
     config = yaml.safe_load(CONFIG.read_text())
-    port = _free_port()
+    port = free_port()
     config["http_options"]["port"] = port
     cfg = tmp_path / "serve_config.yaml"
     cfg.write_text(yaml.safe_dump(config))

@@ -10,7 +10,6 @@ One app for the module; the last test shuts it down.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from load_tests.edge_fuzz import BAD_NUMBERS, NUMERIC_FIELDS, fuzz_5xx, poison_collateral
+from tests.net import free_port
 
 APP = "tokenmux-hardening"
 KEY = "sk-hardening-test"
@@ -29,19 +29,13 @@ ARGS = {"devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB
         "api_keys": [KEY]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def url(ray_session):
     from ray import serve
 
     from deploy.cli.commands import run_local
 
-    with run_local(MODELS, port=_free_port(), app_name=APP, **ARGS) as base:   # joins the session Ray
+    with run_local(MODELS, port=free_port(), app_name=APP, **ARGS) as base:   # joins the session Ray
         yield base
     assert APP not in serve.status().applications
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from scheduler.messages import GenerateRequest
+from tests.polling import wait_until
 from scheduler.sampling_params import SamplingParams
 
 MiB = 1 << 20
@@ -114,3 +116,31 @@ def test_the_routers_view_of_a_real_worker_has_its_measured_step_time(worker):
     # with one queued request the predicted delay is the measured step, not a fallback
     busy = WorkerView.from_stats(stats, extra_load={"llama-tiny-a": 1})
     assert RoutingPolicy().predicted_delay_s("llama-tiny-a", busy) == view.step_time_s
+
+
+def test_a_call_its_caller_cancelled_leaves_the_engine_thread_serving(zoo_model):
+    """A client that disconnects cancels its await on an engine-thread call; the call runs
+    anyway, nobody gets its result, and the engine thread goes on serving (it once died
+    here with InvalidStateError and wedged the worker)."""
+    from actors.engine import Engine, EngineConfig
+    from actors.worker import EngineLoop
+
+    engine = Engine(EngineConfig(**CONFIG))
+    engine.register_model("llama-tiny-a", str(zoo_model("llama-tiny-a")))
+    frames = []
+    loop = EngineLoop(engine, frames.extend)
+    try:
+        gate = threading.Event()
+        held = loop.call(gate.wait, 10)        # keeps the engine thread busy while the next call is cancelled
+        gone = GenerateRequest("gone", "llama-tiny-a", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0))
+        cancelled = loop.call(engine.add_request, gone)
+        assert cancelled.cancel()
+        gate.set()
+        assert held.result(timeout=10)
+        req = GenerateRequest("r", "llama-tiny-a", (5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0))
+        loop.call(engine.add_request, req).result(timeout=10)
+        wait_until(lambda: any(f.request_id == "r" and f.finished for f in frames), 30, what="request r to finish")
+        assert loop.thread.is_alive()
+        assert loop.call(engine.abort, "gone").result(timeout=10) in (True, False)   # the thread still answers
+    finally:
+        loop.stop()

@@ -26,6 +26,14 @@ status=0
 # TOKENMUX_GPU_QUICK=1: a shorter check (~4 minutes) for a nearly spent device budget: the gpu
 # tests, the engine benchmark on llama-100m, and decode_vs_bw_limit on the mistral-7b shape only.
 QUICK="${TOKENMUX_GPU_QUICK:-0}"
+# A step's exit status: 124 = it ran out of time (its partial results stay), other non-zero = failed.
+step_result() {  # NAME RC WHAT-IS-LEFT
+    if [ "$2" -eq 124 ]; then
+        echo "$1: timed out ($3)"
+    elif [ "$2" -ne 0 ]; then
+        echo "$1 failed"; status=1
+    fi
+}
 
 echo "== environment"
 { nvidia-smi -L || echo "nvidia-smi: not found"; "$PY" - <<'PYEOF'
@@ -98,12 +106,7 @@ if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_avail
     timeout "$LIMIT" "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
         "${BENCH[@]}" --json "$RESULTS/bench-engine.json" 2>&1 \
         | tee "$RESULTS/bench-engine.log"
-    rc=${PIPESTATUS[0]}
-    if [ "$rc" -eq 124 ]; then
-        echo "engine bench: timed out (partial results in bench-engine.json)"
-    elif [ "$rc" -ne 0 ]; then
-        echo "engine bench failed"; status=1
-    fi
+    step_result "engine bench" "${PIPESTATUS[0]}" "partial results in bench-engine.json"
 else
     echo "skipped: CUDA, transformers or safetensors missing"
 fi
@@ -116,12 +119,7 @@ elif "$PY" -c "import torch, psutil; assert torch.cuda.is_available()" 2>/dev/nu
     timeout 300 "$PY" -m load_tests.bench.colocate -v --device cuda --dtype bfloat16 --shape qwen2.5-7b \
         --agents 1,2,4 --repeats 1 --turns 3 --new-tokens 48 --json "$RESULTS/bench-colocate.json" \
         --plot "$RESULTS/colocate-gpu.png" 2>&1 | tee "$RESULTS/bench-colocate.log"
-    rc=${PIPESTATUS[0]}
-    if [ "$rc" -eq 124 ]; then
-        echo "colocate bench: timed out (partial results in bench-colocate.json)"
-    elif [ "$rc" -ne 0 ]; then
-        echo "colocate bench failed"; status=1
-    fi
+    step_result "colocate bench" "${PIPESTATUS[0]}" "partial results in bench-colocate.json"
 else
     echo "skipped: CUDA or psutil missing"
 fi
@@ -134,12 +132,7 @@ elif "$PY" -c "import ray, torch, transformers; assert torch.cuda.is_available()
     LT=(--published --gpu --out "$RESULTS/loadtest-gpu"); LIMIT=480
     if [ "$QUICK" = 1 ]; then LT+=(--quick); LIMIT=240; fi
     timeout "$LIMIT" "$PY" -m deploy.cli.main loadtest "${LT[@]}" 2>&1 | tail -60 | tee "$RESULTS/loadtest-gpu.log"
-    rc=${PIPESTATUS[0]}
-    if [ "$rc" -eq 124 ]; then
-        echo "gpu load test: timed out (records so far in loadtest-gpu/loadtest-records.jsonl.gz)"
-    elif [ "$rc" -ne 0 ]; then
-        echo "gpu load test failed"; status=1
-    fi
+    step_result "gpu load test" "${PIPESTATUS[0]}" "records so far in loadtest-gpu/loadtest-records.jsonl.gz"
 else
     echo "skipped: ray, transformers or CUDA missing"
 fi
