@@ -185,6 +185,7 @@ class Engine:
 
     def _new_request(self, req: GenerateRequest) -> Request:
         """Check a request and hold it with its output state; the caller hands it to the policy."""
+        req.check()   # it may have come unpickled from another process, which skips its constructor's checks
         m = self._model(req.model)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")

@@ -50,6 +50,14 @@ class GenerateRequest:
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
 
+    def check(self) -> "GenerateRequest":
+        """Run the constructors' checks again (this request's, its sampling params', its SLO's)
+        and return self. For a receiver: Ray unpickles a request without running them, so a
+        caller that built one around them (object.__setattr__) would otherwise reach the engine."""
+        for part in (self, self.sampling_params, self.slo):
+            type(part).__post_init__(part)
+        return self
+
     def to_dict(self) -> dict:
         return {
             "request_id": self.request_id,

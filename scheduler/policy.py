@@ -200,25 +200,6 @@ class SchedulingPolicy(ABC):
         self._register(request)
         self._insert_running(request)
 
-    def adopt_request(self, request: Request, num_computed_tokens: int) -> list[int] | None:
-        """Take over a request another worker prefilled (a KV handoff). It is admitted like a
-        new one (it must be WAITING with nothing computed; its output so far kept), then gets
-        blocks for the KV of its first num_computed_tokens tokens, which the caller fills,
-        and decodes on. Returns those block ids, or None when the pool has no room now: the
-        request then stays queued and its prefix is recomputed here."""
-        if not 0 < num_computed_tokens < request.num_tokens:
-            raise ValueError(f"request {request.request_id!r}: num_computed_tokens must be in "
-                             f"(0, {request.num_tokens}), got {num_computed_tokens}")
-        self.add_request(request)
-        ids = self.block_manager.allocate(self.models[request.model].kv_shape, blocks_for_tokens(num_computed_tokens))
-        if ids is None:
-            return None
-        self.waiting[request.model].remove(request)
-        request.block_ids, request.num_computed_tokens = ids, num_computed_tokens
-        request.status = RequestStatus.RUNNING
-        self._insert_running(request)
-        return ids
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -1,6 +1,6 @@
 """The one registry of scheduling policy names: "token" | "request" | "dedicated" -> a SchedulingPolicy.
 
-Configs (EngineConfig, AppArgs, SimConfig), the CLI's choices and the load test's
+Configs (EngineConfig, AppArgs, the simulator's FleetConfig), the CLI's choices and the load test's
 contenders all read the names from here, so a new policy is registered once.
 """
 from __future__ import annotations

@@ -85,9 +85,9 @@ def _run(engine: Engine, requests, poison=None) -> dict[str, dict]:
 
 
 def _nan_temperature(engine: Engine) -> None:
-    params = SamplingParams(max_tokens=14, temperature=0.7)
-    object.__setattr__(params, "temperature", math.nan)   # as if validation had a gap
-    engine.add_request(GenerateRequest("poison", MODELS[0], (30, 40, 50), params))
+    engine.add_request(GenerateRequest("poison", MODELS[0], (30, 40, 50), SamplingParams(max_tokens=14, temperature=0.7)))
+    # as if validation had a gap (add_request checks again, so the value changes after it)
+    object.__setattr__(engine.requests["poison"].sampling_params, "temperature", math.nan)
 
 
 def _out_of_vocab_prompt(engine: Engine) -> None:
@@ -118,8 +118,9 @@ def test_a_step_no_request_explains_still_raises_for_fail_all(paths):
 
 
 def test_a_python_caller_cannot_poison_a_worker(ray_session, paths):
-    """A DeviceWorker handle fed a NaN temperature directly: that call fails with a ValueError
-    naming the field; the other streams on the worker complete as undisturbed."""
+    """A DeviceWorker handle fed a NaN temperature directly (a request built around the
+    constructor's checks; Ray unpickles it without running them): that request ends with an
+    error frame naming the field; the other streams on the worker complete as undisturbed."""
     import asyncio
 
     import ray
@@ -132,25 +133,22 @@ def test_a_python_caller_cannot_poison_a_worker(ray_session, paths):
     try:
         ray.get([actor.register_model.remote(name, str(path)) for name, path in paths.items()])
         undisturbed = _run(_engine(paths), _innocents())
-        poison = GenerateRequest("poison", MODELS[0], (30, 40, 50), SamplingParams(temperature=0.5)).to_dict()
-        poison["sampling_params"]["temperature"] = math.nan
+        poison = GenerateRequest("poison", MODELS[0], (30, 40, 50), SamplingParams(temperature=0.5))
+        object.__setattr__(poison.sampling_params, "temperature", math.nan)
 
-        async def collect(req: dict) -> list[int] | BaseException:
-            tokens = []
-            try:
-                async for ref in actor.generate.remote(req):
-                    frame = await ref
-                    tokens += frame["token_ids"]
-                    assert frame["error"] is None, frame["error"]
-            except Exception as exc:   # the poisoned call itself
-                return exc
-            return tokens
+        async def collect(req: GenerateRequest) -> tuple[list[int], list[str]]:
+            tokens, errors = [], []
+            async for ref in actor.generate.remote(req):
+                frame = await ref
+                tokens += frame.token_ids
+                errors += [frame.error] if frame.error else []
+            return tokens, errors
 
         async def burst():
-            return await asyncio.gather(*[collect(r.to_dict()) for r in _innocents()], collect(poison))
+            return await asyncio.gather(*[collect(r) for r in _innocents()], collect(poison))
 
-        *innocent, poisoned = asyncio.run(burst())
-        assert isinstance(poisoned, Exception) and "temperature" in str(poisoned)
-        assert innocent == [undisturbed[r.request_id]["tokens"] for r in _innocents()]
+        *innocent, (poison_tokens, poison_errors) = asyncio.run(burst())
+        assert not poison_tokens and len(poison_errors) == 1 and "temperature" in poison_errors[0], poison_errors
+        assert innocent == [(undisturbed[r.request_id]["tokens"], []) for r in _innocents()]
     finally:
         ray.kill(actor)

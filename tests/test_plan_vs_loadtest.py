@@ -5,8 +5,8 @@ The device cost is this machine, measured in the same test by `tokenmux profile`
 worker's share of the cores), and the SLO is the one the load test derives from the step
 times it measures, so both sides judge by the same clock on the same machine. One worker,
 three copies of a small zoo model, two weight slots: token-level switches models,
-request-level makes the other models wait, dedicated serves one model and refuses the
-rest. The load is moderate on purpose: this shared machine's speed drifts by up to 2x
+request-level makes the other models wait, dedicated gives each model a device of its
+own (the load test scores dedicated on the fleet it needs; the plan is asked for that many). The load is moderate on purpose: this shared machine's speed drifts by up to 2x
 between a profile and a run when other jobs start, and at a load near saturation that
 alone moves attainment by more than 10 points (measured: the same real run gave 0.83 and
 1.00). Bounded: 32 requests over ~30 s per contender.
@@ -53,25 +53,31 @@ def test_plan_and_loadtest_of_the_same_trace_agree_within_ten_points(ray_session
     assert runner.run(parser.parse_args([
         "loadtest", "--trace", trace, "--contenders", ",".join(POLICIES), "--workers", "1", "--models", "3",
         "--checkpoint", MODEL, "--slots", "2", "--kv-mb", "64", "--threads-per-worker", "1",
-        "--max-requests", str(NUM_REQUESTS), "--request-timeout", "60", "--json", str(measured)])) == 0
+        "--max-requests", str(NUM_REQUESTS), "--request-timeout", "60", "--seeds", "0", "--json", str(measured)])) == 0
     real = json.loads(measured.read_text())
 
-    planned = tmp_path / "plan.json"
-    assert plan_cli.run(parser.parse_args([
-        "plan", "--trace", trace, "--gpu", str(profile_dir / "device.json"), "--model-mix", str(profile_dir),
-        "--slots", "2", "--kv-gb", str(64 / 1024), "--reserve-frac", "0", "--slab-mb", "4",
-        "--host-kv-gb", str(128 / 1024), "--slo-ttft", str(real["slo"]["ttft_s"]),
-        "--slo-tpot", str(real["slo"]["tbt_s"]), "--policies", ",".join(POLICIES), "--gpus", "1",
-        "--quota-max", "4", "--no-progress", "--json", str(planned)])) == 0
-    sim = json.loads(planned.read_text())
+    real = {p: real["contenders"][p] for p in POLICIES} | {"slo": real["slo"]}
+    dedicated_devices = real["dedicated"]["devices"]
+    assert dedicated_devices == 3   # one per model
 
-    compared = {policy: {"plan": sim["policies"][policy]["attainment"],
-                         "loadtest": real[policy]["attainment_strict"]} for policy in POLICIES}
+    def plan(policies: str, gpus: int) -> dict:
+        planned = tmp_path / f"plan-{policies}.json"
+        assert plan_cli.run(parser.parse_args([
+            "plan", "--trace", trace, "--gpu", str(profile_dir / "device.json"), "--model-mix", str(profile_dir),
+            "--slots", "2", "--kv-gb", str(64 / 1024), "--reserve-frac", "0", "--slab-mb", "4",
+            "--host-kv-gb", str(128 / 1024), "--slo-ttft", str(real["slo"]["ttft_s"]),
+            "--slo-tpot", str(real["slo"]["tbt_s"]), "--policies", policies, "--gpus", str(gpus),
+            "--quota-max", "4", "--no-progress", "--json", str(planned)])) == 0
+        return json.loads(planned.read_text())
+
+    sims = {"token": plan("token,request", 1), "dedicated": plan("dedicated", dedicated_devices)}
+    sims["request"] = sims["token"]
+
+    compared = {policy: {"plan": sims[policy]["policies"][policy]["attainment"],
+                         "loadtest": real[policy]["at_reference_rate"]["attainment_strict"]} for policy in POLICIES}
     print("plan vs loadtest, strict attainment:", json.dumps({"slo": real["slo"], "policies": compared}))
     for policy in POLICIES:
-        assert real[policy]["num_requests"] == NUM_REQUESTS == sim["workload"]["num_requests"]
-        got, want = sim["policies"][policy]["attainment"], real[policy]["attainment_strict"]
+        sim = sims[policy]
+        assert real[policy]["at_reference_rate"]["num_requests"] == NUM_REQUESTS == sim["workload"]["num_requests"]
+        got, want = compared[policy]["plan"], compared[policy]["loadtest"]
         assert abs(got - want) <= 0.10, (policy, {"plan": got, "loadtest": want, "slo": real["slo"]})
-    # Not trivially equal: dedicated leaves two of three models unserved, on both sides.
-    for side in (real["dedicated"]["attainment_strict"], sim["policies"]["dedicated"]["attainment"]):
-        assert side < real["token"]["attainment_strict"] - 0.3

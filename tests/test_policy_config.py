@@ -38,10 +38,10 @@ def test_an_unknown_policy_is_refused_naming_the_known_ones(make):
 
             parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "fifo"})
         else:
-            from load_tests.simulator import SimConfig
-            from scheduler.kv_blocks import KVShape
+            from load_tests.devices import DeviceLayout, device_spec
+            from load_tests.simulator import FleetConfig
 
-            SimConfig(1, "/nowhere", 1, KVShape(1, 1, 1, 2), policy="fifo")
+            FleetConfig(1, DeviceLayout.carve(device_spec("H100"), 16 * 10**9), policy="fifo")
 
 
 def test_scheduler_config_set_in_app_args_reaches_the_engines_policy():

@@ -293,14 +293,26 @@ def start_multiplexed(models: dict[str, str], num_replicas: int = 2, max_models_
                       max_ongoing_requests: int = 8, serialize_generation: bool = True,
                       ignore_eos: bool = True, dtype: str = "float32") -> tuple[MultiplexedTarget, Callable[[], None]]:
     """Deploy on the already-initialised Ray (handles only, no HTTP proxy started by us);
-    returns the Target and a function that deletes just this application."""
+    returns the Target and a function that deletes this application, and Serve too when this
+    call started it (a Serve left running without a proxy would be joined, proxy-less, by the
+    next `tokenmux serve` on the same Ray)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.exceptions import RayServeException
+
     app = build_multiplexed_app(models, num_replicas, max_models_per_replica, threads_per_replica,
                                 max_ongoing_requests=max_ongoing_requests,
                                 serialize_generation=serialize_generation, dtype=dtype)
+    try:
+        _get_global_client()
+        started_serve = False
+    except RayServeException:   # no Serve on this cluster yet
+        started_serve = True
     serve.start(proxy_location="Disabled")  # joins a running Serve as it is
     handle = serve.run(app, name=app_name, route_prefix=None)
 
     def shutdown() -> None:
         serve.delete(app_name)
+        if started_serve:
+            serve.shutdown()
 
     return MultiplexedTarget(handle, ignore_eos=ignore_eos), shutdown
