@@ -40,6 +40,7 @@ from load_tests.marketplace import Marketplace
 from load_tests.metrics import RequestRecord, Turn
 from load_tests.sim_worker import SimWorker
 from load_tests.workloads import Workload
+from scheduler.kv_blocks import blocks_for_tokens
 from scheduler.placement import (ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy,
                                  observed_load, plan_changes)
 from scheduler.policy import SchedulerConfig
@@ -264,8 +265,13 @@ class _Simulation:
         copy = Request(request.request_id, request.model, request.prompt_token_ids, request.sampling_params,
                        request.slo, request.arrival_time, output_token_ids=list(request.output_token_ids),
                        first_token_time=request.first_token_time, token_times=list(request.token_times))
-        if dst.policy.adopt_request(copy, request.num_computed_tokens) is None:
-            self.num_recomputed_handoffs += 1   # no room there now: it recomputes its prefix
+        n = request.num_computed_tokens
+        ids = dst.policy.block_manager.allocate(shape, blocks_for_tokens(n))
+        if ids is None:   # no room there now: it queues and recomputes its prefix (as the engine does)
+            dst.policy.add_request(copy)
+            self.num_recomputed_handoffs += 1
+        else:
+            dst.policy.adopt_request(copy, ids, n)
         src.policy.block_manager.free(shape, request.block_ids)
         request.block_ids = []
         self.requests[request.request_id] = copy

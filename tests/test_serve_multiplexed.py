@@ -85,7 +85,8 @@ def test_driver_run_through_the_target(peer):
         assert rec.ok, rec.error
         assert rec.num_output_tokens == req.output_len  # ignore_eos: the trace's length
         assert rec.worker_id and rec.num_prompt_tokens == 6
-        assert rec.arrival < rec.token_times[0] and rec.tbts and min(rec.tbts) > 0
+        # client-observed times: tokens that arrive in one chunk share a time (a gap of 0)
+        assert rec.arrival < rec.token_times[0] and rec.tbts and min(rec.tbts) >= 0 and max(rec.tbts) > 0
 
 
 def test_abandoned_request_frees_its_replica(peer):
