@@ -2,7 +2,7 @@
 
     tokenmux loadtest --published [--out docs/results] [--short | --quick | --gpu]
 
-(--short: the reduced preset of Preset.short, ~30 min; --quick: tests; --gpu: one CUDA device.)
+(--short: the reduced preset of Preset.short, ~35 min; --quick: tests; --gpu: one CUDA device.)
 
 What it runs, on this machine, each contender alone on the cores (load_tests/experiment.py):
 
@@ -88,6 +88,11 @@ class Preset:
     # measure every contender at these x mu instead of searching: one tuple for every trace,
     # or a dict trace -> tuple
     fixed_fractions: tuple[float, ...] | dict | None = None
+    # with a fixed grid: token keeps doubling past its top until its mean misses the threshold,
+    # no higher than this x mu (one float, or a dict trace -> float), so its max rate is a
+    # crossing, not a bound; request and the ablations follow token's grid, the Serve peer and
+    # dedicated stay on the fixed one (None: the fixed grid only)
+    extend_until_miss: float | dict | None = None
 
     @classmethod
     def gpu(cls, quick: bool = False) -> "Preset":
@@ -108,13 +113,16 @@ class Preset:
 
     @classmethod
     def short(cls) -> "Preset":
-        """The published run cut to ~30 minutes of a shared 2-core machine: the same 12 models,
+        """The published run cut to ~35 minutes of a shared 2-core machine: the same 12 models,
         SLO, traces and 3 seeds, but 60 requests per point (not 120), a fixed grid of 4 rates
         per trace (fractions of mu, doubling: the max rate at 90% is interpolated between
-        grid points, not bisected to 10%), token, request and one Serve configuration
-        (max_ongoing_requests 8), no ablations, no dedicated fleet, no models sweep."""
+        grid points, not bisected to 10%) that token and request extend by doubling until
+        token misses (bursty up to 1.92 x mu, Poisson up to 6.4 x mu; the Serve peer, far past
+        its crossing at the grid's top, stays on the 4 rates), token, request and one Serve
+        configuration (max_ongoing_requests 8), no ablations, no dedicated fleet, no models sweep."""
         return cls(max_requests=60, contenders=("token", "request", "multiplexed-8"), models_sweep=False,
-                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.1, 0.2, 0.4, 0.8)})
+                   fixed_fractions={"bursty": (0.015, 0.03, 0.06, 0.12), "poisson": (0.1, 0.2, 0.4, 0.8)},
+                   extend_until_miss={"bursty": 1.92, "poisson": 6.4})
 
     @classmethod
     def quick(cls) -> "Preset":
@@ -180,13 +188,15 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
 
     # token first: its search sets the grid every other contender shares
     grids: dict[str, list[float]] = {}
+    fixed_grids: dict[str, list[float]] = {}
     with ex.session("token") as s:
         descriptions["token"] = s.contender.describe(deployment)
         for t in traces:
-            if p.fixed_fractions:   # a fixed grid (the GPU preset: device time is short)
-                fractions = p.fixed_fractions[t.name] if isinstance(p.fixed_fractions, dict) else p.fixed_fractions
-                grids[t.name] = [_round(f * mu) for f in fractions]
-                phase(f"token/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+            if p.fixed_fractions:   # a fixed grid (short and GPU presets: time is short)
+                fractions = _per_trace(p.fixed_fractions, t.name)
+                fixed_grids[t.name] = [_round(f * mu) for f in fractions]
+                grids[t.name] = phase(f"token/{t.name}", lambda: grid_until_miss(
+                    lambda r: s.point(t, r), fractions, mu, p.threshold, _per_trace(p.extend_until_miss, t.name)))
                 continue
             res = phase(f"token/{t.name}", lambda: s.search(t, plan(starts[t.name])))
             # the search may have probed below the start rate (it missed there): the grid then starts lower
@@ -201,8 +211,9 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
             descriptions[name] = s.contender.describe(deployment)
             for t in todo:
                 token = plans[t.name].get("token", {})
-                if p.fixed_fractions:
-                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in grids[t.name]])
+                if p.fixed_fractions:   # request and the ablations on token's grid (to compare like rates)
+                    rates = grids[t.name] if name == "request" or name in ABLATIONS else fixed_grids[t.name]
+                    phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in rates])
                 elif name == "dedicated":   # the fleet at the highest rate token met the threshold
                     phase(f"{name}/{t.name}", lambda: s.point(t, token.get("lo") or starts[t.name]))
                 elif name in ABLATIONS:   # where overload starts: the top of the grid, token's bracket
@@ -219,9 +230,23 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     write_records(out / "loadtest-records.jsonl.gz", ex.records)
     elapsed = time.time() - t_start
     meta = {"elapsed_s": round(elapsed, 1), "phase_s": timings, "service_rate_rps": mu, "start_rates": starts,
-            "grids": grids, "searches": plans, "descriptions": descriptions,
+            "grids": grids, "fixed_grids": fixed_grids, "searches": plans, "descriptions": descriptions,
             "devices": {c: deployment.devices(c) for c in p.contenders}}
     return write_outputs(ex.records, slo, out, meta=meta, models=models_result, readme=readme)
+
+
+def grid_until_miss(point, fractions, mu: float, threshold: float, max_fraction: float | None) -> list[float]:
+    """Measure `point` (rate -> mean attainment) at each fraction x mu, then keep doubling
+    while no rate has missed the threshold, up to max_fraction x mu (None: no doubling).
+    Returns the rates measured, ascending."""
+    rates = [_round(f * mu) for f in fractions]
+    missed = min(point(r) for r in rates) < threshold
+    top = fractions[-1]
+    while not missed and max_fraction is not None and top * 2 <= max_fraction * (1 + 1e-9):
+        top *= 2
+        rates.append(_round(top * mu))
+        missed = point(rates[-1]) < threshold
+    return rates
 
 
 def service_rate(times: dict, ex, traces) -> float:
@@ -293,6 +318,11 @@ def write_outputs(records, slo, out: Path, *, meta: dict, models: dict | None, r
         update_readme(readme, markdown)
     write_json(out / "loadtest-summary.json", summary)
     return summary
+
+
+def _per_trace(value, trace: str):
+    """A preset setting given once for every trace, or as a dict trace -> value."""
+    return value.get(trace) if isinstance(value, dict) else value
 
 
 def _asdict(p: Preset) -> dict:

@@ -83,8 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs/results", help="--published: where its files go")
     p.add_argument("--quick", action="store_true", help="a short run (tests): 1 seed, few requests; "
                    "with --published its quick preset")
-    p.add_argument("--short", action="store_true", help="--published: the reduced preset (~30 min on 2 "
-                   "shared cores: 60 requests per point, a fixed 4-rate grid, no ablations/models sweep)")
+    p.add_argument("--short", action="store_true", help="--published: the reduced preset (~35 min on 2 "
+                   "shared cores: 60 requests per point, a fixed 4-rate grid that token and request extend "
+                   "by doubling until token misses, no ablations/models sweep)")
     p.add_argument("--gpu", action="store_true", help="--published: the GPU preset (8 copies of a 7B shape, "
                    "random bf16 weights, one CUDA device; tests/gpu/run.sh runs it)")
     p.add_argument("--no-quota-cap", action="store_true",

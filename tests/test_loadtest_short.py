@@ -85,6 +85,25 @@ def test_default_slo_scales_with_the_measured_step_times():
     assert slower.tbt_s == pytest.approx(2 * slo.tbt_s) and slower.ttft_s == pytest.approx(2 * slo.ttft_s)
 
 
+def test_short_preset_grid_doubles_until_token_misses_and_no_further():
+    from load_tests.published import Preset, grid_until_miss
+
+    measured = []
+
+    def point(capacity):   # attainment 1 up to `capacity` req/s, then 0.5
+        return lambda r: measured.append(r) or (1.0 if r <= capacity else 0.5)
+
+    assert grid_until_miss(point(30), (0.1, 0.2), 10.0, 0.9, 6.4) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    assert measured == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]   # each rate once; stops at the first miss
+    measured.clear()
+    assert grid_until_miss(point(1e9), (0.1, 0.2), 10.0, 0.9, 1.6) == [1.0, 2.0, 4.0, 8.0, 16.0]  # the cap
+    assert grid_until_miss(point(1.5), (0.1, 0.2), 10.0, 0.9, 6.4) == [1.0, 2.0]   # missed inside the grid
+    assert grid_until_miss(point(1e9), (0.1, 0.2), 10.0, 0.9, None) == [1.0, 2.0]  # no extension asked
+    short = Preset.short()
+    assert len(short.seeds) >= 3 and short.metric == "goodput" and short.threshold == 0.9
+    for trace, top in short.extend_until_miss.items():   # past mu, where every contender must miss
+        assert top > 1.0 > short.fixed_fractions[trace][-1]
+
 
 def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_session, zoo_model, tmp_path):
     zoo_model("llama-tiny-a")
