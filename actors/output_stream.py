@@ -40,26 +40,35 @@ class OutputAssembler:
 
     def frame(self, request: Request) -> tuple[OutputFrame, bool]:
         """The frame of tokens produced since the last call, and whether a stop string ended it."""
-        new_ids = request.output_token_ids[self.num_sent_tokens:]
-        times = request.token_times[self.num_sent_tokens:]
-        self.num_sent_tokens = len(request.output_token_ids)
-        self.detokenizer.step(new_ids)
-        if request.is_finished:   # the last frame: a character cut off by the end becomes U+FFFD,
-            self.detokenizer.finish()   # as tokenizer.decode(output_ids) gives it
-        text = self.detokenizer.text
-        stopped = False
-        end = len(text)
-        if self.stops:
-            # only a stop string ending in the new text can be new: search from where one could start
-            cut = find_stop(text, self.stops, start=self._searched - self.holdback)
-            self._searched = len(text)
-            if cut is not None:
-                end, stopped = cut, True
-            elif not request.is_finished:
-                end = max(self.num_sent_chars, len(text) - self.holdback)
+        sent = self.num_sent_tokens
+        new_ids = request.output_token_ids[sent:]
+        times = request.token_times[sent:]
+        self.num_sent_tokens = sent + len(new_ids)
+        detokenizer = self.detokenizer
+        detokenizer.step(new_ids)
+        finished = request.status.is_finished
+        if finished:   # the last frame: a character cut off by the end becomes U+FFFD,
+            detokenizer.finish()   # as tokenizer.decode(output_ids) gives it
+        text = detokenizer.text
+        if not self.stops:   # most requests: the text goes out as it completes
+            delta = text[self.num_sent_chars:]
+            self.num_sent_chars = max(self.num_sent_chars, len(text))
+            finish = request.status.finish_reason if finished else None
+            return OutputFrame(request.request_id, new_ids, delta, times, finish,
+                               num_prompt_tokens=self.num_prompt_tokens), False
+        # only a stop string ending in the new text can be new: search from where one could start
+        cut = find_stop(text, self.stops, start=self._searched - self.holdback)
+        self._searched = len(text)
+        stopped = cut is not None
+        if stopped:
+            end = cut
+        elif finished:
+            end = len(text)
+        else:
+            end = max(self.num_sent_chars, len(text) - self.holdback)
         delta = text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
-        finish = request.status.finish_reason if request.is_finished else None
+        finish = request.status.finish_reason if finished else None
         frame = OutputFrame(request.request_id, new_ids, delta, times, finish,   # slices: already copies
                             num_prompt_tokens=self.num_prompt_tokens)
         return frame, stopped

@@ -34,23 +34,27 @@ class OnlineLinearFit:
     solution defined before the data spans every direction (then those slopes stay ~0).
 
     The fit is redone lazily: the sums are updated on every observation (cheap), but the
-    solve (a few 3x3 systems, ~40 us of Python) only after `refit_every` observations, or
-    sooner when one is off the current fit by more than `refit_tol` (relative: a change of
-    regime, not step-to-step noise). The engine observes every step, and one observation
-    barely moves a fit over ~1 / (1 - forget) of them, so solving every step bought nothing.
+    solve (a few 3x3 systems, ~30 us of Python) only after `refit_every` observations, or
+    sooner when `refit_misses` observations in a row are off the current fit by more than
+    `refit_tol` (relative): a change of regime persists, while one slow step (a page fault,
+    a neighbour's burst) is noise, and on a busy machine such outliers came every ~8 steps
+    and made the engine solve four times as often as it needed to. The engine observes every
+    step, and one observation barely moves a fit over ~1 / (1 - forget) of them.
     """
 
     def __init__(self, num_features: int, forget: float = 0.99, ridge: float = 1e-6,
-                 refit_tol: float = 0.5, refit_every: int = 16):
+                 refit_tol: float = 0.5, refit_every: int = 32, refit_misses: int = 2):
         if not 0 < forget <= 1:
             raise ValueError(f"forget must be in (0, 1], got {forget!r}")
-        if refit_tol < 0 or refit_every < 1:
-            raise ValueError(f"refit_tol must be >= 0 and refit_every >= 1, got {refit_tol!r}, {refit_every!r}")
+        if refit_tol < 0 or refit_every < 1 or refit_misses < 1:
+            raise ValueError(f"refit_tol must be >= 0, refit_every and refit_misses >= 1; got {refit_tol!r}, "
+                             f"{refit_every!r}, {refit_misses!r}")
         self.num_features = num_features
         self.forget = forget
         self.ridge = ridge
         self.refit_tol = refit_tol
         self.refit_every = refit_every
+        self.refit_misses = refit_misses
         self.num_observations = 0
         self.num_fits = 0
         self._xtx = [[0.0] * num_features for _ in range(num_features)]
@@ -58,24 +62,34 @@ class OnlineLinearFit:
         self._yty = 0.0
         self._coef: list[float] | None = None
         self._stale = 0   # observations since the last solve
+        self._misses = 0  # consecutive observations the current fit was off by more than refit_tol
 
     def observe(self, x, y: float, weight: float = 1.0, forget: float | None = None) -> None:
         if len(x) != self.num_features:
             raise ValueError(f"expected {self.num_features} features, got {len(x)}")
-        k = self.num_features
         lam = self.forget if forget is None else forget
         self._yty = lam * self._yty + weight * y * y
-        for i in range(k):
-            self._xty[i] = lam * self._xty[i] + weight * x[i] * y
-            row = self._xtx[i]
-            for j in range(k):
-                row[j] = lam * row[j] + weight * x[i] * x[j]
+        # x'x is symmetric: update the upper triangle and mirror it (this runs every engine step)
+        xty, xtx = self._xty, self._xtx
+        for i, xi in enumerate(x):
+            wxi = weight * xi
+            xty[i] = lam * xty[i] + wxi * y
+            row = xtx[i]
+            for j in range(i, len(x)):
+                v = lam * row[j] + wxi * x[j]
+                row[j] = v
+                xtx[j][i] = v
         self.num_observations += 1
         self._stale += 1
-        if self._coef is not None and self._stale < self.refit_every:
-            predicted = sum(c * v for c, v in zip(self._coef, x))
+        coef = self._coef
+        if coef is not None and self._stale < self.refit_every:
+            predicted = sum(c * v for c, v in zip(coef, x))
             if abs(predicted - y) <= self.refit_tol * abs(y):
+                self._misses = 0
                 return   # the current fit still explains the data: keep it
+            self._misses += 1
+            if self._misses < self.refit_misses:
+                return   # one outlier is noise; a run of them is a new regime
         self._coef = None
 
     def refit(self) -> None:
@@ -88,7 +102,7 @@ class OnlineLinearFit:
             return None
         if self._coef is None:
             self._coef = self._fit_nonnegative_slopes()
-            self._stale = 0
+            self._stale = self._misses = 0
             self.num_fits += 1
         return self._coef
 
@@ -188,9 +202,14 @@ class StepLatencyEstimator:
         return max(t, self.min_step_s)
 
     def predict_decode(self, model: str, batch_size: int, num_context_tokens: int) -> float:
+        # the scheduler asks this several times a step: the dot product written out (same arithmetic)
         fit = self._decode.get(model)
-        t = fit.predict(_scaled(_DECODE_SCALE, batch_size, num_context_tokens)) if fit else None
-        return max(self.default_decode_step_s if t is None else t, self.min_step_s)
+        coef = fit.coef if fit is not None else None
+        if coef is None:
+            return max(self.default_decode_step_s, self.min_step_s)
+        a, b, c = coef
+        t = a + b * (batch_size * _DECODE_SCALE[1]) + c * (num_context_tokens * _DECODE_SCALE[2])
+        return max(t, self.min_step_s)
 
     def predict_switch(self, model: str) -> float:
         """Time to bring `model`'s weights onto the device (0 for an unknown size)."""

@@ -132,17 +132,47 @@ def select_round(batches: Sequence[BatchLoad], rule: RoundRule, admit_alpha: flo
     if not batches:
         raise ValueError("a round needs at least one batch")
     order = sorted(batches, key=lambda b: (priority(b, guard_s), b.model))
-    chosen = [order[0]]
-    plan = plan_round(chosen, rule)
+    chosen = _RoundSums(rule, order[0])
     held = []
     for batch in order[1:]:
-        trial = plan_round(chosen + [batch], rule)
-        if trial.alpha <= (admit_alpha if batch.waiting else 1.0):
-            chosen.append(batch)
-            plan = trial
+        if chosen.alpha_with(batch) <= (admit_alpha if batch.waiting else 1.0):
+            chosen.add(batch)
         else:
             held.append(batch.model)
+    plan = plan_round(chosen.batches, rule)
     return RoundPlan(plan.models, tuple(held), plan.quota, plan.decode_s)
+
+
+class _RoundSums:
+    """The sums `plan_round` reduces a round to, grown one batch at a time, so trying each
+    candidate batch costs O(1) instead of a new plan (a round is chosen every few turns).
+    `alpha_with` is plan_round(batches + [b]).alpha, with the same arithmetic in the same order."""
+
+    def __init__(self, rule: RoundRule, first: BatchLoad) -> None:
+        self.rule = rule
+        self.batches = [first]
+        self._sums = self._grown((0.0, 0.0, 0.0, math.inf, math.inf, True), first)
+
+    def _grown(self, sums: tuple, b: BatchLoad) -> tuple:
+        switch, quota, inv_n, min_n, min_slo, resident = sums
+        n = b.tbt_slo_s / b.step_s
+        return (switch + b.switch_s, quota + self.rule.min_quota_steps * b.step_s, inv_n + 1.0 / n,
+                min(min_n, n), min(min_slo, b.tbt_slo_s), resident and b.model in self.rule.resident)
+
+    def add(self, b: BatchLoad) -> None:
+        self._sums = self._grown(self._sums, b)
+        self.batches.append(b)
+
+    def alpha_with(self, b: BatchLoad) -> float:
+        switch, quota, inv_n, min_n, min_slo, resident = self._grown(self._sums, b)
+        c0 = 0.0 if resident else switch
+        rule = self.rule
+        if c0 == 0:   # every batch gets min_quota_steps steps (decode_quotas' free-switch case)
+            return quota / rule.min_quota_steps / min_slo
+        quota_max_s = rule.quota_max_s
+        if rule.switch_factor is not None:
+            quota_max_s = min(quota_max_s, rule.switch_factor * c0)
+        return max(c0 / (min_n * quota_max_s) + inv_n, 0.5)
 
 
 def admits(batches: Sequence[BatchLoad], rule: RoundRule, prefill_s: float,

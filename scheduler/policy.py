@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.estimator import StepLatencyEstimator
-from scheduler.kv_blocks import BlockManager, KVShape, blocks_for_tokens
+from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
 
@@ -231,9 +231,10 @@ class SchedulingPolicy(ABC):
         switch_time_s: float = 0.0,
     ) -> list[Request]:
         """Apply one step's sampled tokens; returns the requests that finished."""
-        live = [r for r in output.requests if self.requests.get(r.request_id) is r]
-        missing = [r.request_id for r in live if r.request_id not in sampled]
-        if missing:
+        requests = self.requests
+        live = [r for r in output.requests if requests.get(r.request_id) is r]
+        if len(sampled) < len(live) or any(r.request_id not in sampled for r in live):
+            missing = [r.request_id for r in live if r.request_id not in sampled]
             raise ValueError(f"no sampled token for requests {missing} of the step")
         if step_time_s > 0 and output.requests:
             if output.is_prefill:
@@ -246,9 +247,10 @@ class SchedulingPolicy(ABC):
             self.estimator.observe_switch(output.model, switch_time_s)
         finished = []
         for request in live:
-            request.num_computed_tokens = request.num_tokens
+            outputs = request.output_token_ids
+            request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
             token = int(sampled[request.request_id])
-            request.output_token_ids.append(token)
+            outputs.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -288,8 +290,12 @@ class SchedulingPolicy(ABC):
     def _decode_step(self, model: str) -> SchedulerOutput | None:
         """One decode step over the model's RUNNING and SWAPPED requests (oldest first),
         swapping in and preempting as needed."""
+        batch = self.running[model][: self.config.max_batch_size]
+        # most decode steps: every request RUNNING with room for its next token in its last block
+        if all(r.status is RequestStatus.RUNNING and r.num_tokens <= len(r.block_ids) * BLOCK_SIZE for r in batch):
+            return SchedulerOutput(model, batch, False) if batch else None
         shape = self.models[model].kv_shape
-        pending = list(self.running[model][: self.config.max_batch_size])
+        pending = list(batch)
         protected = {r.request_id for r in pending}
         output = SchedulerOutput(model=model, requests=[], is_prefill=False)
         while pending:

@@ -37,6 +37,33 @@ def test_overload_serves_the_least_slack_batches_that_fit_and_holds_the_rest():
     assert "g" in small.models and "d" in small.held
 
 
+_batch = st.builds(
+    lambda i, step, tbt, switch, slack, waiting: BatchLoad(f"m{i}", tbt, step, switch, slack, waiting),
+    st.integers(0, 9), st.floats(1e-4, 0.2), st.floats(1e-3, 0.5), st.sampled_from([0.0, 1e-3, 0.05, 2.0]),
+    st.floats(-1.0, 2.0), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_batch, min_size=1, max_size=9, unique_by=lambda b: b.model),
+       st.sets(st.sampled_from([f"m{i}" for i in range(10)])), st.sampled_from([1, 4]),
+       st.sampled_from([None, 8.0]), st.floats(0.5, 1.0))
+def test_select_round_decides_as_if_it_planned_every_trial_round(batches, resident, steps, factor, admit):
+    """select_round grows its round incrementally (O(1) a candidate); the reference below plans
+    every trial round in full. Same batches served and held, same quotas, to the last bit."""
+    rule = RoundRule(4.0, steps, factor, frozenset(resident))
+    order = sorted(batches, key=lambda b: (priority(b, 0.01), b.model))
+    chosen, held = [order[0]], []
+    for b in order[1:]:
+        if plan_round(chosen + [b], rule).alpha <= (admit if b.waiting else 1.0):
+            chosen.append(b)
+        else:
+            held.append(b.model)
+    expected = plan_round(chosen, rule)
+    plan = select_round(batches, rule, admit, 0.01)
+    assert (plan.models, plan.held, plan.quota, plan.decode_s) == (expected.models, tuple(held), expected.quota,
+                                                                   expected.decode_s)
+
+
 def test_the_most_urgent_batch_runs_even_when_nothing_fits():
     plan = select_round([load("slow", step=0.2, tbt=0.05, slack=-1.0), load("b", slack=0.0)], RULE)
     assert plan.models == ("slow",) and plan.held == ("b",) and plan.alpha > 1
