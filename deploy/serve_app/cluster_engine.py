@@ -24,8 +24,8 @@ Never `ray.get` here: everything is awaited on the ingress's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import ray
@@ -185,12 +185,16 @@ class ClusterEngineClient:
         """The request's frame stream on `handle`: from the start, or adopted with what was sent."""
         if not sent.token_ids:
             return stream_frames(handle.generate.remote(req))
-        state = HandoffState(req, tuple(sent.token_ids), tuple(sent.token_times), 0, sent.num_chars)
+        # A new id on the worker: the dead worker may have been relaying it from this very worker
+        # (prefill/decode split), which still holds it under the old one until it notices.
+        sent.num_resumes += 1
+        resumed = dataclasses.replace(req, request_id=f"{req.request_id}.resume{sent.num_resumes}")
+        state = HandoffState(resumed, tuple(sent.token_ids), tuple(sent.token_times), 0, sent.num_chars)
         ack = await handle.adopt_prefilled.remote(state, None)   # no KV: the worker recomputes the prefix
         if not ack.adopted and ack.error:
             raise ValueError(ack.error)
         # opened with no await after the ack: the adopted request's frames wait in its buffer
-        return stream_frames(handle.generate_prefilled.remote(req.request_id))
+        return stream_frames(handle.generate_prefilled.remote(resumed.request_id))
 
     async def _worker_failed(self, worker_id: str, req: GenerateRequest, sent: "_Sent") -> None:
         if sent.token_ids:
@@ -206,13 +210,14 @@ class ClusterEngineClient:
             logger.info("reporting %s to the router failed: %s", worker_id, _cause(exc))
 
 
-@dataclass
+@dataclasses.dataclass
 class _Sent:
     """What the client of one request has: the output a resumed request starts from."""
 
     token_ids: list[int]
     token_times: list[float]
     num_chars: int
+    num_resumes: int = 0
 
     def add(self, frame: OutputFrame) -> None:
         self.token_ids += frame.token_ids
