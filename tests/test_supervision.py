@@ -152,3 +152,25 @@ def test_a_killed_router_is_rebuilt_from_the_live_workers(topology, restart):
     assert recovered_s <= 10.0
     assert set(ray.get(topology.router.status.remote()).workers) == live
     assert (topology.router is old) == restart
+
+
+def test_the_watchdog_names_a_step_past_its_bound_and_a_stopped_loop(zoo_model):
+    """In process, a real Engine: a step running longer than the bound (here 0 s: any step) is
+    reported, and once the loop has stopped every call fails at once instead of hanging."""
+    from actors.engine import Engine, EngineConfig
+    from actors.worker import EngineLoop
+
+    engine = Engine(EngineConfig(**ENGINE))
+    engine.register_model(MODEL, str(zoo_model(MODEL)))
+    loop = EngineLoop(engine, deliver=lambda frames: None)
+    try:
+        assert loop.problem(step_bound_s=60.0) is None
+        loop.call(engine.add_request, _request("long", 400)).result(timeout=30)
+        wait_until(lambda: (loop.problem(step_bound_s=0.0) or "").startswith("one engine step has run"),
+                   30, 0.0005, what="a step past a 0 s bound")
+        assert loop.problem(step_bound_s=60.0) is None
+    finally:
+        loop.stop()
+    assert loop.problem(step_bound_s=60.0) == "the engine loop has stopped"
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.call(engine.stats).result(timeout=1)

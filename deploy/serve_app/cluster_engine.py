@@ -117,12 +117,27 @@ class ClusterEngineClient:
         deadline = loop.time() + self.router_recovery_s
         while True:
             try:
-                return await self._router_call("pick", model, slo)
+                return await self._pick_once(model, slo)
             except ray.exceptions.RayTaskError as exc:
                 recovering = after_failure or loop.time() - self._router_lost_at < self.router_recovery_s
                 if not (recovering and isinstance(exc.cause, NoWorkerError) and loop.time() < deadline):
                     raise
             await asyncio.sleep(ROUTER_RETRY_S)
+
+    async def _pick_once(self, model: str, slo: SLO) -> tuple[str, Any]:
+        """One pick; a caller cancelled while the router answers still has its place released
+        (the router counted the request as dispatched)."""
+        pick = asyncio.ensure_future(self._router_call("pick", model, slo))
+        try:
+            return await asyncio.shield(pick)
+        except asyncio.CancelledError:
+            pick.add_done_callback(lambda done: self._release_unused(done, model))
+            raise
+
+    def _release_unused(self, pick: asyncio.Future, model: str) -> None:
+        if not pick.cancelled() and pick.exception() is None:
+            worker_id, _ = pick.result()
+            self.router.release.remote(worker_id, model)
 
     async def servable_models(self, timeout_s: float = 5.0) -> list[str]:
         """The served models some live worker can take now (for /health); none when the router
@@ -157,6 +172,9 @@ class ClusterEngineClient:
                 self.router.release.remote(worker_id, req.model)
                 yield _error(req, f"worker {worker_id} could not continue the request: {exc}", worker_id)
                 return
+            except BaseException:   # cancelled while the worker adopted it: its place is returned
+                self.router.release.remote(worker_id, req.model)
+                raise
             self._streams[req.request_id] = stream
             try:
                 async with stream:   # left early (closed or cancelled): the stream stops the worker's work
