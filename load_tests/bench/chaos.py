@@ -18,7 +18,9 @@ models) and runs, in this order, each bounded in requests and time:
                                  (router and engines), once the rounds end and settle
     overload_*                   an open-loop load at 10x the measured capacity for a few
                                  seconds: 429s, the accepted that complete, their TTFT p99 against
-                                 the TTFT SLO, the RSS of the workers and the ingress before/after
+                                 the TTFT SLO (send -> the worker made the first token; the
+                                 client-read figure beside it adds this one client's lag), the RSS
+                                 of the workers and the ingress before/after
 
 Capacity is measured, not assumed: the undisturbed burst's requests per second.
 """
@@ -84,7 +86,9 @@ class Outcome:
         self.status = 0
         self.finish_reason: str | None = None
         self.sent_at = 0.0
-        self.first_token_at: float | None = None
+        self.first_token_at: float | None = None     # when the client read it (monotonic)
+        self.sent_wall = 0.0                          # time.time() when sent
+        self.first_token_made: float | None = None   # when the worker made it (its token_times, wall clock)
         self.answered_at: float | None = None   # when the status line came
         self.num_429 = 0
 
@@ -99,7 +103,7 @@ async def send(client, body: dict, retry_429_s: float = 0.0, on_first_token=None
     num_429 = 0
     while True:
         out = Outcome()
-        out.sent_at = time.monotonic()
+        out.sent_at, out.sent_wall = time.monotonic(), time.time()
         try:
             retry_after = await (_stream if body.get("stream") else _post)(client, body, out, on_first_token)
         except Exception as exc:   # a cut connection, a timeout: the client saw a failure
@@ -116,10 +120,10 @@ async def send(client, body: dict, retry_429_s: float = 0.0, on_first_token=None
 async def _post(client, body: dict, out: Outcome, on_first_token) -> float | None:
     resp = await client.post("/v1/completions", json=body)
     out.status, out.answered_at = resp.status_code, time.monotonic()
-    data = resp.json()
-    if resp.status_code != 200:
-        out.error = data.get("error", {}).get("message", resp.text[:200])
+    if resp.status_code != 200:   # Serve's proxy answers its own 429 in plain text
+        out.error = resp.text[:200]
         return float(resp.headers.get("retry-after", 1))
+    data = resp.json()
     out.token_ids = data["tokenmux"]["token_ids"]
     out.finish_reason = data["choices"][0]["finish_reason"]
     return None   # a whole response has no first-token time of its own: TTFT is scored on streams
@@ -144,6 +148,7 @@ async def _stream(client, body: dict, out: Outcome, on_first_token) -> float | N
             ids = chunk.get("tokenmux", {}).get("token_ids", [])
             if ids and out.first_token_at is None:
                 out.first_token_at = time.monotonic()
+                out.first_token_made = chunk["tokenmux"]["token_times"][0]
                 if on_first_token is not None:
                     on_first_token()
             out.token_ids += ids
@@ -303,7 +308,10 @@ def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dic
     outcomes = asyncio.run(run())
     rss_after = _rss_mb()
     accepted = [o for o in outcomes if o.status != 429]
-    ttfts = sorted(o.first_token_at - o.sent_at for o in accepted if o.ok and o.first_token_at is not None)  # streams
+    # TTFT of the accepted streams: send -> the worker made the first token (same clock, this host), and
+    # send -> this client read it (adds the client's own lag: one process reading every stream)
+    ttfts = sorted(o.first_token_made - o.sent_wall for o in accepted if o.ok and o.first_token_made is not None)
+    client_ttfts = sorted(o.first_token_at - o.sent_at for o in accepted if o.ok and o.first_token_at is not None)
     refusals = sorted(o.answered_at - o.sent_at for o in outcomes if o.status == 429)
     p99 = _quantile(ttfts, 0.99)
     growth = (sum(rss_after.values()) - sum(rss_before.values())) / max(1e-9, sum(rss_before.values()))
@@ -313,6 +321,8 @@ def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dic
             "accepted_completed_frac": sum(o.ok for o in accepted) / len(accepted) if accepted else None,
             "accepted_failed_examples": [o.error for o in accepted if not o.ok][:3],
             "accepted_ttft_p50_s": _quantile(ttfts, 0.5), "accepted_ttft_p99_s": p99, "ttft_slo_s": TTFT_SLO_S,
+            "accepted_client_ttft_p50_s": _quantile(client_ttfts, 0.5),
+            "accepted_client_ttft_p99_s": _quantile(client_ttfts, 0.99),
             # how long the edge took to say 429: time spent before admission (HTTP proxy, event loop)
             "rejected_429_latency_p50_s": _quantile(refusals, 0.5),
             "rejected_429_latency_p99_s": _quantile(refusals, 0.99),
