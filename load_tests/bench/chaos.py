@@ -268,6 +268,7 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=None)) as client:
             await asyncio.gather(*(abandon(client, b) for b in batch))
 
+    before = dict(cluster_status(APP).router.pending)
     for r in range(rounds):
         asyncio.run(one_round(1000 + r))
     t0 = time.monotonic()
@@ -279,6 +280,7 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
         time.sleep(0.2)
     return {"disconnect_rounds": rounds, "disconnect_streams": rounds * n, "disconnect_hung_workers": len(hung),
             "disconnect_inflight_after": inflight, "disconnect_router_pending": dict(status.router.pending),
+            "disconnect_router_pending_before": before,
             "disconnect_settle_s": time.monotonic() - t0}
 
 
