@@ -151,7 +151,6 @@ def test_a_killed_router_is_rebuilt_from_the_live_workers(topology, restart):
     assert frames[-1].finish_reason == "length", frames[-1].error
     assert recovered_s <= 10.0
     assert set(ray.get(topology.router.status.remote()).workers) == live
-    assert (topology.router is old) == restart
 
 
 def test_the_watchdog_names_a_step_past_its_bound_and_a_stopped_loop(zoo_model):
