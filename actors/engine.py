@@ -29,7 +29,7 @@ from actors.kv_pool import DeviceKVPool, HostKVPool, KVBlocks, copy_blocks
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.output_stream import OutputAssembler
-from actors.sampler import Sampler
+from actors.sampler import Sampler, skip_draws
 from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
@@ -384,6 +384,8 @@ class Engine:
         request.token_times = list(state.token_times)
         request.first_token_time = state.token_times[0] if state.token_times else self.clock()
         self.outputs[req.request_id].resume(request, state.num_sent_chars)
+        if req.sampling_params.seed is not None:   # the seeded stream goes on where the sender left it
+            skip_draws(self.outputs[req.request_id].generator, len(request.output_token_ids))
         status = request.check_stop(request.output_token_ids[-1])
         if status is not None:   # it had already ended; nothing to decode
             self._forget(req.request_id)

@@ -81,6 +81,15 @@ class Sampler:
         return order.gather(1, pick).squeeze(1).masked_fill(bad, INVALID_TOKEN).tolist()
 
 
+def skip_draws(generator: torch.Generator | None, num_tokens: int) -> None:
+    """Advance a request's generator past the draws of `num_tokens` sampled tokens (one each, as
+    `_uniform` makes them), so a request continued elsewhere samples on from where it was."""
+    if generator is None:
+        return
+    for _ in range(num_tokens):
+        _uniform(generator)
+
+
 def _uniform(generator: torch.Generator | None) -> float:
     """One draw in [0, 1) from the request's generator, or the global one when unseeded."""
     if generator is None:

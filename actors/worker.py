@@ -5,7 +5,9 @@ messages. `generate(GenerateRequest)` is a streaming generator: each yielded Out
 carries every token produced since the previous one (frames, never one actor call per
 token, actors/frame_stream.py), so a slow consumer gets fewer, larger frames instead of
 falling behind. `stats()` answers a WorkerStats (scheduler/messages.py), the router's one
-source of truth about this device. In the "prefill" role the worker's HandoffRelay hands
+source of truth about this device; `health()` is its watchdog, answered off the engine
+thread (the engine loop stopped, or one step ran past `step_bound_s`), which the topology's
+supervisor reads to replace it (cluster/supervisor.py). In the "prefill" role the worker's HandoffRelay hands
 each request's KV to a decode worker after its first frame (actors/handoff.py);
 `generate_prefilled` is the receiving end.
 """
@@ -26,13 +28,14 @@ from actors.handoff import HandoffRelay, KVHandoff
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
-                                OutputFrame, RegisteredModel, WorkerStats)
+                                OutputFrame, RegisteredModel, WorkerHealth, WorkerStats)
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 ATTACH_TIMEOUT_S = 30.0   # an adopted request whose sender never opens its stream is aborted after this
 FRAME_INTERVAL_S = 0.02   # frames go to the consumers at most this often (see EngineLoop._pace)
+STEP_BOUND_S = 60.0       # the watchdog: a step running longer than this makes the worker unhealthy
 
 
 class EngineLoop:
@@ -46,12 +49,16 @@ class EngineLoop:
         self.stopped = False
         self._pending: list[OutputFrame] = []   # frames not yet handed over (see _pace)
         self._last_delivery = 0.0
+        self.step_started: float | None = None   # monotonic start of the step running now (the watchdog's)
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the engine thread between steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.thread.is_alive():   # nobody would ever run it: fail now, not at the caller's deadline
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+            return future
         self.inbox.put((fn, args, future))
         self.wake.set()
         return future
@@ -61,6 +68,15 @@ class EngineLoop:
         self.wake.set()
         self.thread.join(timeout=5)
 
+    def problem(self, step_bound_s: float) -> str | None:
+        """Why this loop serves nobody (the watchdog's verdict), or None while it steps."""
+        if not self.thread.is_alive():
+            return "the engine loop has stopped"
+        started = self.step_started
+        if started is not None and time.monotonic() - started > step_bound_s:
+            return f"one engine step has run for {time.monotonic() - started:.0f} s (bound {step_bound_s:g} s)"
+        return None
+
     def _run(self) -> None:
         while not self.stopped:
             self._drain_inbox()
@@ -68,11 +84,13 @@ class EngineLoop:
                 self.wake.wait(IDLE_WAIT_S)
                 self.wake.clear()
                 continue
+            self.step_started = time.monotonic()
             try:
                 frames = self.engine.step()
             except Exception as exc:   # never let one bad step kill the worker
                 logger.exception("engine step failed")
                 frames = self.engine.fail_all(f"engine step failed: {exc}")
+            self.step_started = None
             self._pace(frames)
         self._flush()
 
@@ -128,14 +146,18 @@ class DeviceWorker:
     """One per device. Methods are async; the engine never blocks the actor's event loop."""
 
     def __init__(self, worker_id: str, config: EngineConfig | dict | None = None, num_threads: int | None = None,
-                 node_id: str | None = None, shared_kv: bool = False):
+                 node_id: str | None = None, shared_kv: bool = False, step_bound_s: float = STEP_BOUND_S):
         """config: an EngineConfig or its kwargs. shared_kv: on a CPU device, keep the KV pool in a
-        node-shared region (/dev/shm), so a same-node KV handoff exports without a copy."""
+        node-shared region (/dev/shm), so a same-node KV handoff exports without a copy.
+        step_bound_s: the watchdog's bound on one engine step (see `health`)."""
+        if not step_bound_s > 0:
+            raise ValueError(f"step_bound_s must be > 0, got {step_bound_s!r}")
         import torch
 
         if num_threads:
             torch.set_num_threads(num_threads)   # each virtual device gets its share of cores
         self.worker_id = worker_id
+        self.step_bound_s = step_bound_s
         self.node_id = node_id or _current_node_id() or ""
         self.role = "mixed"
         engine_config = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
@@ -239,6 +261,12 @@ class DeviceWorker:
         engine = await self._on_engine(self.engine.stats)
         return WorkerStats(self.worker_id, self.node_id, engine, role=self.role, device=self.engine.config.device,
                            pid=os.getpid(), handoff=self.handoff.counts())
+
+    async def health(self) -> WorkerHealth:
+        """The watchdog, answered off the engine thread (a wedged step cannot hold it up): unhealthy
+        when the engine loop has stopped or one step has run past `step_bound_s`."""
+        problem = self.engine_loop.problem(self.step_bound_s)
+        return WorkerHealth(self.worker_id, problem is None, problem or "", os.getpid())
 
     async def telemetry(self) -> dict:
         return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`

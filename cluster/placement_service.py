@@ -52,7 +52,7 @@ def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
     return str(path), ModelInfo(spec.weight_bytes, kv_per_token)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)   # restarted in place; the supervisor calls start() again
 class PlacementService:
     def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, SLO] | None = None,
                  config: PlacementConfig | None = None, interval_s: float = 2.0, router=None):
@@ -76,6 +76,11 @@ class PlacementService:
         if self._loop_task is None or self._loop_task.done():
             await self._get_router().attach_placement.remote(ray.get_runtime_context().current_actor)
             self._loop_task = asyncio.get_running_loop().create_task(self._replan_forever())
+
+    async def attach_router(self, router) -> None:
+        """Plan with a new router (the old one died for good) and attach to it."""
+        self._router = router
+        await router.attach_placement.remote(ray.get_runtime_context().current_actor)
 
     async def add_model(self, name: str, source: Any, slo: SLO | None = None) -> PlacementPlan:
         if not name:

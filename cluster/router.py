@@ -13,6 +13,11 @@ from it, DecodeTarget to a prefill worker, RouterStatus to operators.
 
 A worker whose stats call fails with RayActorError (it died) is removed from routing; one
 that merely stops answering for `max_missed` polls is skipped until it answers again.
+
+A router that dies is restarted by Ray (max_restarts) with an empty table; the topology's
+supervisor gives it the live workers again (cluster/supervisor.py), so its view and load
+come back from the workers themselves. Until the first worker is back, `pick` waits up to
+`rebuild_wait_s` instead of refusing.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
+REBUILD_WAIT_S = 10.0
+
 
 @dataclass
 class _Worker:
@@ -42,7 +49,7 @@ class _Worker:
     missed: int = 0
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class GlobalRouter:
     def __init__(self, routing_config: RoutingConfig | None = None, poll_interval_s: float = 0.5,
                  stats_timeout_s: float = 2.0, max_missed: int = 10, hot_trigger_interval_s: float = 1.0):
@@ -60,6 +67,7 @@ class GlobalRouter:
         self._last_hot_trigger: dict[str, float] = {}
         self._poller: asyncio.Task | None = None
         self._metrics = RouterMetrics()
+        self._has_workers: asyncio.Event | None = None   # made on the actor's loop (see _workers_added)
 
     # ---- membership ------------------------------------------------------------------
 
@@ -70,6 +78,8 @@ class GlobalRouter:
         self._workers[worker_id] = _Worker(handle=handle, node_id=node_id)
         # Routable at once, with real stats; a worker still starting up gets longer to answer.
         await self._refresh(worker_id, timeout_s=max(self._stats_timeout_s, 30.0))
+        if self._workers[worker_id].stats is not None:
+            self._workers_added().set()
         logger.info("router: worker %s on node %s added", worker_id, node_id)
         self._ask_replan()
 
@@ -88,6 +98,11 @@ class GlobalRouter:
     async def pick(self, model: str, slo: SLO | None = None) -> tuple[str, Any]:
         """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError."""
         self._ensure_poller()
+        if not any(w.stats for w in self._workers.values()):   # just (re)started: workers are coming back
+            try:
+                await asyncio.wait_for(self._workers_added().wait(), REBUILD_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
         views = self._views()
         try:
             worker_id = self._policy.pick(model, views, slo, self._plan)
@@ -198,6 +213,11 @@ class GlobalRouter:
         if self._workers.get(worker_id) is entry:
             entry.stats, entry.missed = stats, 0
 
+    def _workers_added(self) -> asyncio.Event:
+        if self._has_workers is None:
+            self._has_workers = asyncio.Event()
+        return self._has_workers
+
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -214,7 +234,7 @@ class GlobalRouter:
 
 def get_or_create_router(detached: bool = False, **kwargs):
     """The cluster's router: the named actor if it exists, else a new one."""
-    options = {"name": ROUTER_NAME, "get_if_exists": True}
+    options = {"name": ROUTER_NAME, "get_if_exists": True}   # restarted by Ray when it dies (max_restarts)
     if detached:
         options["lifetime"] = "detached"
     return GlobalRouter.options(**options).remote(**kwargs)

@@ -5,7 +5,9 @@
         PlacementService (named)      which worker may hold which model, and its role
         DeviceWorker x devices        one per device on every alive node, pinned there
 
-A worker asks for `num_gpus=1, num_cpus=0` on its node (on a CPU host a virtual device is
+`tick()` (called every second by a NodeWatcher) runs `refresh_nodes()` and the Supervisor
+(cluster/supervisor.py), which replaces dead or unhealthy workers and a dead router or
+placement service. A worker asks for `num_gpus=1, num_cpus=0` on its node (on a CPU host a virtual device is
 one Ray GPU resource, see cluster/ray_runtime.py), so Ray's accounting is the device
 inventory. Worker ids read "<node-short>-gpu<i>". The placement service registers models
 on workers per its plan (every model gets at least one worker; hot ones get more).
@@ -27,6 +29,7 @@ from cluster.node_watcher import NodeWatcher
 from cluster.placement_service import get_or_create_placement
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
+from cluster.supervisor import Supervisor
 from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, ClusterStatus, WorkerDown, WorkerStats
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
@@ -49,6 +52,8 @@ class TopologyConfig:
     routing: dict = field(default_factory=dict)    # RoutingConfig kwargs
     placement_interval_s: float = 2.0
     watch_interval_s: float | None = 1.0   # node watcher period; None: no watcher
+    supervise: bool = True                 # the watcher also replaces dead workers and control plane
+    step_bound_s: float = 60.0             # a worker whose one engine step runs longer is unhealthy
     shared_kv: bool = True                 # CPU workers keep KV in /dev/shm (zero-copy handoff)
     detached: bool = False                 # actors outlive the driver that brought them up
 
@@ -71,6 +76,8 @@ class TopologyConfig:
             raise ValueError(f"placement_interval_s must be > 0, got {self.placement_interval_s!r}")
         if self.watch_interval_s is not None and self.watch_interval_s <= 0:
             raise ValueError(f"watch_interval_s must be > 0 or None, got {self.watch_interval_s!r}")
+        if not self.step_bound_s > 0:
+            raise ValueError(f"step_bound_s must be > 0, got {self.step_bound_s!r}")
         from actors.engine import EngineConfig   # validates the kwargs (names and values)
 
         try:
@@ -90,9 +97,13 @@ class Topology:
         self.config = config
         self.workers: dict[str, Any] = {}        # worker_id -> DeviceWorker handle
         self.worker_nodes: dict[str, str] = {}   # worker_id -> node_id
+        self.specs: dict[str, dict] = {}         # worker_id -> what it was started with (worker_specs)
+        self.vacant: dict[str, dict] = {}        # retired worker_id -> its spec, until a replacement starts
         self._owned = owned                      # kill router/placement on shutdown
         self._lock = threading.RLock()
         self._watcher: NodeWatcher | None = None
+        self.num_replaced: dict[str, int] = {}   # device id -> replacements started there
+        self.supervisor = Supervisor(self) if config is not None and config.supervise else None
 
     # ---- membership ------------------------------------------------------------------
 
@@ -111,8 +122,10 @@ class Topology:
             for wid in gone:
                 ray.get(self.router.remove_worker.remote(wid), timeout=CALL_TIMEOUT_S)
                 self._forget(wid)
+            for wid in [w for w, spec in self.vacant.items() if spec["node_id"] not in nodes]:
+                del self.vacant[wid]
             added = []
-            known = set(self.worker_nodes.values())
+            known = set(self.worker_nodes.values()) | {spec["node_id"] for spec in self.vacant.values()}
             for node in nodes.values():
                 if node.node_id not in known:
                     added += self._start_node(node)
@@ -134,9 +147,84 @@ class Topology:
                 sweep_stale_kv_files()
             return dead
 
+    def tick(self) -> None:
+        """One round of the watcher: membership, then supervision."""
+        self.refresh_nodes()
+        if self.supervisor is not None:
+            self.supervisor.tick()
+
     def start_watcher(self, interval_s: float = 1.0) -> None:
         if self._watcher is None:
-            self._watcher = NodeWatcher(self.refresh_nodes, interval_s)
+            self._watcher = NodeWatcher(self.tick, interval_s)
+
+    # ---- supervision verbs (cluster/supervisor.py decides when) ------------------------
+
+    def retire(self, worker_id: str) -> None:
+        """Kill a worker and forget it; its device stays vacant until start_replacement."""
+        with self._lock:
+            spec = self.specs.pop(worker_id, None)
+            self._forget(worker_id)
+            if spec is not None:
+                self.vacant[worker_id] = spec
+            sweep_stale_kv_files()
+
+    def start_replacement(self, worker_id: str) -> str | None:
+        """Start a worker on the device a retired one held, under a new id; None if it did not start."""
+        with self._lock:
+            spec = self.vacant.get(worker_id)
+            if spec is None:
+                return None
+            device_id = spec.get("device_id", worker_id)
+            self.num_replaced[device_id] = self.num_replaced.get(device_id, 0) + 1
+            new_spec = {**spec, "device_id": device_id,
+                        "worker_id": f"{device_id}-r{self.num_replaced[device_id]}"}
+            try:
+                self._start_workers([new_spec])
+            except Exception as exc:   # no resource yet (the old one still releasing it), node going away
+                logger.warning("supervisor: the replacement of %s did not start: %s", worker_id, exc)
+                return None
+            del self.vacant[worker_id]
+        self._replan()
+        return new_spec["worker_id"]
+
+    def rejoin(self, worker_ids: list[str]) -> None:
+        """Give a router that came back empty these workers again (it asks each for its stats)."""
+        import ray
+
+        with self._lock:
+            live = {w: self.workers[w] for w in worker_ids if w in self.workers}
+            ray.get(self.router.attach_placement.remote(self.placement), timeout=CALL_TIMEOUT_S)
+            refs = [self.router.add_worker.remote(w, h, self.worker_nodes[w]) for w, h in live.items()]
+            ray.wait(refs, num_returns=len(refs), timeout=CALL_TIMEOUT_S)
+        logger.warning("supervisor: the router was rebuilt from %d live worker(s)", len(live))
+        self._replan()
+
+    def replace_router(self) -> None:
+        """A new router (the old one is dead for good), told to every holder of the old handle."""
+        import ray
+
+        with self._lock:
+            self.router = get_or_create_router(detached=self.config.detached,
+                                               routing_config=RoutingConfig(**self.config.routing))
+            ray.get([h.set_router.remote(self.router) for h in self.workers.values()], timeout=CALL_TIMEOUT_S)
+            ray.get(self.placement.attach_router.remote(self.router), timeout=CALL_TIMEOUT_S)
+            self.rejoin(list(self.workers))
+
+    def replace_placement(self) -> None:
+        """A new placement service (the old one is dead for good), attached to the router."""
+        import ray
+
+        with self._lock:
+            self.placement = start_placement(self.config, self.router)
+        self._replan()
+
+    def _replan(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.placement.replan.remote(), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:   # its own loop retries within placement_interval_s
+            logger.info("topology: replan failed: %s", exc)
 
     # ---- reading ---------------------------------------------------------------------
 
@@ -152,8 +240,11 @@ class Topology:
                 workers[wid] = ray.get(ref, timeout=CALL_TIMEOUT_S)
             except Exception as exc:   # a dead or stuck worker is reported, not raised
                 workers[wid] = WorkerDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        for wid in list(self.vacant):
+            workers.setdefault(wid, WorkerDown("retired by the supervisor; its replacement is starting"))
         return ClusterStatus(workers, ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
-                             ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S))
+                             ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S),
+                             replacements=self.supervisor.replacements() if self.supervisor else ())
 
     # ---- teardown --------------------------------------------------------------------
 
@@ -161,6 +252,8 @@ class Topology:
         """Stop the watcher; kill what bring_up created (workers, and router/placement if it made them)."""
         import ray
 
+        if self.supervisor is not None:
+            self.supervisor.closed = True
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -173,6 +266,7 @@ class Topology:
                 _kill(ray, handle)
             self.workers.clear()
             self.worker_nodes.clear()
+            self.vacant.clear()
             sweep_stale_kv_files()
             if self._owned:
                 _kill(ray, self.placement)
@@ -182,11 +276,15 @@ class Topology:
 
     def _start_node(self, node: NodeResources) -> list[str]:
         """Start, await and register the workers of one node; returns their ids."""
+        return self._start_workers(worker_specs(node, self.config))
+
+    def _start_workers(self, specs: list[dict]) -> list[str]:
+        """Start, await and register workers of one node (from worker_specs); returns their ids."""
         import ray
 
-        specs = worker_specs(node, self.config)
         if not specs:
             return []
+        node_id = specs[0]["node_id"]
         handles = {s["worker_id"]: _spawn(s, self.config) for s in specs}
         refs = {wid: h.ready.remote() for wid, h in handles.items()}
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=READY_TIMEOUT_S)
@@ -194,13 +292,14 @@ class Topology:
             late = [wid for wid, r in refs.items() if r in pending]
             for h in handles.values():
                 _kill(ray, h)
-            raise RuntimeError(f"workers {late} on node {node.node_id} did not start within "
+            raise RuntimeError(f"workers {late} on node {node_id} did not start within "
                                f"{READY_TIMEOUT_S:.0f}s (is a GPU resource of that node in use elsewhere?)")
         ray.get(ready)   # surface a constructor error
-        ray.get([self.router.add_worker.remote(wid, h, node.node_id) for wid, h in handles.items()])
-        for wid, h in handles.items():
-            self.workers[wid] = h
-            self.worker_nodes[wid] = node.node_id
+        ray.get([self.router.add_worker.remote(wid, h, node_id) for wid, h in handles.items()])
+        for spec in specs:
+            self.workers[spec["worker_id"]] = handles[spec["worker_id"]]
+            self.worker_nodes[spec["worker_id"]] = node_id
+            self.specs[spec["worker_id"]] = spec
         return list(handles)
 
     def _forget(self, worker_id: str) -> None:
@@ -208,6 +307,7 @@ class Topology:
 
         handle = self.workers.pop(worker_id, None)
         self.worker_nodes.pop(worker_id, None)
+        self.specs.pop(worker_id, None)
         if handle is not None:
             _kill(ray, handle)
 
@@ -227,7 +327,8 @@ def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
     short = node.node_id[:8]
     return [{"worker_id": f"{short}-gpu{i}", "node_id": node.node_id,
              "engine": {**config.engine, "device": device}, "num_threads": threads,
-             "shared_kv": config.shared_kv and device == "cpu"} for i in range(count)]
+             "shared_kv": config.shared_kv and device == "cpu", "step_bound_s": config.step_bound_s}
+            for i in range(count)]
 
 
 def bring_up(config: TopologyConfig) -> Topology:
@@ -238,12 +339,7 @@ def bring_up(config: TopologyConfig) -> Topology:
         raise ValueError("bring_up needs a connected Ray; call cluster.ray_runtime.connect_or_start() first")
     owned = not (_named_exists(ray, ROUTER_NAME) or _named_exists(ray, PLACEMENT_NAME))
     router = get_or_create_router(detached=config.detached, routing_config=RoutingConfig(**config.routing))
-    slos = {m: config.slo for m in config.models}
-    placement = get_or_create_placement(detached=config.detached, models=dict(config.models), slos=slos,
-                                        config=PlacementConfig(**config.placement),
-                                        interval_s=config.placement_interval_s,
-                                        router=router)
-    ray.get(placement.start.remote(), timeout=CALL_TIMEOUT_S)
+    placement = start_placement(config, router)
     topology = Topology(router, placement, config, owned=owned)
     try:
         for node in alive_nodes():
@@ -267,6 +363,18 @@ def bring_up(config: TopologyConfig) -> Topology:
     logger.info("topology up: %d workers on %d node(s)", len(topology.workers),
                 len(set(topology.worker_nodes.values())))
     return topology
+
+
+def start_placement(config: TopologyConfig, router):
+    """The cluster's placement service (the named one, or a new one), started on `router`."""
+    import ray
+
+    placement = get_or_create_placement(detached=config.detached, models=dict(config.models),
+                                        slos={m: config.slo for m in config.models},
+                                        config=PlacementConfig(**config.placement),
+                                        interval_s=config.placement_interval_s, router=router)
+    ray.get(placement.start.remote(), timeout=CALL_TIMEOUT_S)
+    return placement
 
 
 def connect_existing(namespace: str | None = None) -> Topology:
@@ -298,7 +406,7 @@ def _spawn(spec: dict, config: TopologyConfig):
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
         spec["worker_id"], EngineConfig(**spec["engine"]), num_threads=spec["num_threads"], node_id=spec["node_id"],
-        **({"shared_kv": True} if spec["shared_kv"] else {}))
+        step_bound_s=spec["step_bound_s"], **({"shared_kv": True} if spec["shared_kv"] else {}))
 
 
 def sweep_stale_kv_files(shm_dir: str = "/dev/shm") -> list[str]:

@@ -10,6 +10,8 @@
                    LoadReport        router -> placement           (cluster/router.py)
                    PlacementPlan     placement -> router           (scheduler/placement.py, the plan update)
                    RouterStatus      router -> status              (cluster/router.py)
+                   WorkerHealth      worker -> supervisor          (actors/worker.py, the watchdog)
+                   WorkerReplacement supervisor -> status          (cluster/supervisor.py)
                    ClusterStatus     topology -> `tokenmux status` (cluster/topology.py)
 
 Only diffs travel: a request is sent once; afterwards each OutputFrame carries just the
@@ -347,6 +349,46 @@ class WorkerDown:
 
 
 @dataclass(frozen=True)
+class WorkerHealth:
+    """Whether a worker's engine loop is alive and stepping (producer: DeviceWorker.health, which
+    answers off the engine thread; read by cluster/supervisor.py)."""
+
+    worker_id: str
+    healthy: bool
+    reason: str = ""     # why not: the engine loop stopped, or one step ran past the watchdog's bound
+    pid: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if not isinstance(self.healthy, bool):
+            raise ValueError(f"healthy must be a bool, got {self.healthy!r}")
+        if self.healthy and self.reason:
+            raise ValueError("a healthy worker has no reason")
+
+
+@dataclass(frozen=True)
+class WorkerReplacement:
+    """A dead or unhealthy worker and the one started on its device in its place
+    (producer: cluster/supervisor.py; shown by `tokenmux status`)."""
+
+    worker_id: str                  # the worker that died or was killed as unhealthy
+    reason: str
+    noticed_at: float               # wall clock (time.time()) when the supervisor noticed
+    replacement_id: str | None = None   # None: not replaced yet (starting, or its node is gone)
+    replaced_s: float | None = None     # from noticing to the replacement taking requests
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if self.replaced_s is not None and (self.replaced_s < 0 or self.replacement_id is None):
+            raise ValueError(f"replaced_s must be >= 0 and come with a replacement_id, got {self.replaced_s!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class ClusterStatus:
     """Workers, the placement plan and the router of one cluster (producer: Topology.status),
     shown by `tokenmux status`."""
@@ -356,6 +398,7 @@ class ClusterStatus:
     router: RouterStatus
     models: Mapping[str, str] = field(default_factory=dict)   # name -> checkpoint dir (the Serve app adds them)
     policy: str | None = None
+    replacements: tuple[WorkerReplacement, ...] = ()   # dead workers and their replacements, oldest first
 
     def alive(self) -> dict[str, WorkerStats]:
         return {w: s for w, s in self.workers.items() if isinstance(s, WorkerStats)}
@@ -364,4 +407,5 @@ class ClusterStatus:
         workers = {w: ({"alive": True, **s.to_dict()} if isinstance(s, WorkerStats) else
                        {"alive": False, "error": s.error}) for w, s in self.workers.items()}
         return {"workers": workers, "plan": self.plan.to_dict() if self.plan else None,
-                "router": self.router.to_dict(), "models": dict(self.models), "policy": self.policy}
+                "router": self.router.to_dict(), "models": dict(self.models), "policy": self.policy,
+                "replacements": [r.to_dict() for r in self.replacements]}

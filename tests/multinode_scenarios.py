@@ -109,6 +109,7 @@ def main() -> dict:
     try:
         config = TopologyConfig(models=paths, engine=ENGINE, threads_per_worker=1, placement=PLACEMENT,
                                 routing={"hot_load": 1}, placement_interval_s=60.0, watch_interval_s=0.5,
+                                supervise=False,   # step 5 watches a killed worker leave (and prune_dead)
                                 slo=SLO(ttft_s=0.2, tbt_s=0.5))   # a tight SLO: load spreads early
         topo = bring_up(config)
         out["timings"]["bring_up_s"] = time.monotonic() - t0

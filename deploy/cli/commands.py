@@ -18,6 +18,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -298,6 +299,10 @@ def format_status(status: "ClusterStatus") -> str:
         lines.append(f"  {model:<24} unplaceable: {why}")
     lines.append(f"servable: {', '.join(status.router.servable) or '-'}")
     lines.append(f"in flight: {dict(status.router.pending) or '-'}")
+    for r in status.replacements:
+        when = time.strftime("%H:%M:%S", time.localtime(r.noticed_at))
+        after = f"replaced by {r.replacement_id} in {r.replaced_s:.1f}s" if r.replacement_id else "replacement starting"
+        lines.append(f"{when} {r.worker_id} {r.reason}: {after}")
     return "\n".join(lines)
 
 

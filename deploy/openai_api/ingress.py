@@ -124,13 +124,26 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body however the response ends. Starlette leaves a
+    body cut at a send (the client left) suspended until garbage collection, and with it the
+    request's abort, its admission ticket and the router's count of it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
     parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
         chunks = ingress.chunks(gen_req, endpoint, include_usage)
-        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
+        return ClosingStreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
     ticket = ingress.admit(gen_req)

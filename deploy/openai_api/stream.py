@@ -139,8 +139,11 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
 
 
 async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    async for chunk in chunks:
-        yield sse_event(chunk)
+    # aclosing: when Starlette stops sending (the client left while a chunk was on its way), the
+    # chunks' cleanup (abort, admission ticket, the router's place) runs now, not at garbage collection
+    async with aclosing(chunks) as open_chunks:
+        async for chunk in open_chunks:
+            yield sse_event(chunk)
     yield SSE_DONE
 
 

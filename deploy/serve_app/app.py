@@ -24,6 +24,7 @@ import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.serve.config import BackpressureConfig
 
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
 from scheduler.messages import ClusterStatus
@@ -180,6 +181,10 @@ def build_app(args: "dict | AppArgs") -> serve.Application:
     ingress = TokenmuxIngress.options(
         num_replicas=parsed.num_ingress_replicas,
         max_ongoing_requests=parsed.max_ongoing_requests,
+        # Past max_ongoing_requests Serve's proxy queues, before admission sees anything: bounded,
+        # that queue sheds with a 429 of its own, so a refusal never waits behind the overload.
+        max_queued_requests=parsed.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         ray_actor_options={"num_cpus": parsed.ingress_num_cpus},
     )
     return ingress.bind(plain, cluster)

@@ -6,10 +6,16 @@ frame, read through actors/frame_stream.py's `stream_frames`), then `router.rele
 it ends, however it ends. The router sits on one
 call per request; the tokens flow worker -> ingress directly.
 
-Failures: a worker that dies before the request produced a token is reported to the
-router (`report_failure`, which drops it from routing) and the request goes to another
-worker; after tokens were produced, re-running it would repeat or change text the client
-already has, so it ends with an error frame instead — nothing is silently lost.
+Failures: a worker that dies is reported to the router (`report_failure`, which drops it
+from routing) and the request goes on on another worker. Before its first token it is
+simply sent again; after, it is *resumed*: the new worker adopts it with the output the
+client already has (a HandoffState without KV: prompt + output recomputed in one prefill,
+the text already sent not sent again, max_tokens and stop strings counted over the whole
+output, a seeded generator advanced past the tokens drawn), so the client's stream goes on
+as if nothing happened; greedy output equals an undisturbed run's. A request that cannot
+go on (no worker left, `max_dispatches` deaths) ends with an error frame, never a silent cut.
+A router that dies is asked for again (`router_source`) until it answers or
+`router_recovery_s` passes: the supervisor restarts it and rebuilds its table.
 `abort(request_id)` cancels the request's frame stream, as leaving the stream early does;
 the worker aborts the request and frees its KV blocks when its consumer goes away.
 
@@ -18,6 +24,7 @@ Never `ray.get` here: everything is awaited on the ingress's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -26,12 +33,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.frame_stream import FrameStream, stream_frames
 from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
-from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
+from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame
+from scheduler.routing import NoWorkerError
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+ROUTER_RECOVERY_S = 15.0
+ROUTER_RETRY_S = 0.2
 
 
 def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
@@ -44,21 +54,28 @@ def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
 
 class ClusterEngineClient:
     def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3,
-                 router_source: Callable[[], Awaitable[Any]] | None = None) -> None:
-        """`router_source()` gives the current router handle after the one held died (the
-        topology's owner was restarted); without it a dead router fails each request."""
+                 router_source: Callable[[], Awaitable[Any]] | None = None,
+                 router_recovery_s: float = ROUTER_RECOVERY_S) -> None:
+        """`router_source()` gives the current router handle after the one held died; it is asked
+        until a router answers or `router_recovery_s` passes. Without it a dead router fails
+        each request."""
         if max_dispatches < 1:
             raise ValueError(f"max_dispatches must be >= 1, got {max_dispatches}")
+        if router_recovery_s < 0:
+            raise ValueError(f"router_recovery_s must be >= 0, got {router_recovery_s}")
         infos = model_infos(models) if isinstance(models, Mapping) else list(models)
         if not infos:
             raise ValueError("ClusterEngineClient needs at least one model")
         self.router = router
         self._router_source = router_source
+        self.router_recovery_s = router_recovery_s
+        self._router_lost_at = float("-inf")   # loop time the router was last found gone
         self.max_dispatches = max_dispatches
         self._models = {m.name: m for m in infos}
         self._tokenizers = TokenizerCache()
         self._streams: dict[str, FrameStream] = {}  # request_id -> the worker's frame stream
-        self.num_redispatched = 0
+        self.num_redispatched = 0   # sent again before their first token
+        self.num_resumed = 0        # continued on another worker after tokens were sent
 
     def models(self) -> list[ModelInfo]:
         return list(self._models.values())
@@ -80,12 +97,47 @@ class ClusterEngineClient:
         except _WORKER_GONE:
             if self._router_source is None:
                 raise
-            logger.warning("the router is gone; asking for the current one")
-            self.router = await self._router_source()
-            return await getattr(self.router, method).remote(*args)
+        logger.warning("the router is gone; asking for the current one")
+        deadline = asyncio.get_running_loop().time() + self.router_recovery_s
+        self._router_lost_at = asyncio.get_running_loop().time()
+        while True:   # restarted in place (same handle) or made again by the supervisor (a new one)
+            try:
+                self.router = await self._router_source()
+                return await getattr(self.router, method).remote(*args)
+            except _WORKER_GONE:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+            await asyncio.sleep(ROUTER_RETRY_S)
 
-    async def _pick(self, model: str, slo: SLO) -> tuple[str, Any]:
-        return await self._router_call("pick", model, slo)
+    async def _pick(self, model: str, slo: SLO, after_failure: bool = False) -> tuple[str, Any]:
+        """A worker for the request. After a worker or the router died the model may have no
+        worker for a moment (placement moving it, the router's table being rebuilt): asked
+        again until `router_recovery_s` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.router_recovery_s
+        while True:
+            try:
+                return await self._pick_once(model, slo)
+            except ray.exceptions.RayTaskError as exc:
+                recovering = after_failure or loop.time() - self._router_lost_at < self.router_recovery_s
+                if not (recovering and isinstance(exc.cause, NoWorkerError) and loop.time() < deadline):
+                    raise
+            await asyncio.sleep(ROUTER_RETRY_S)
+
+    async def _pick_once(self, model: str, slo: SLO) -> tuple[str, Any]:
+        """One pick; a caller cancelled while the router answers still has its place released
+        (the router counted the request as dispatched)."""
+        pick = asyncio.ensure_future(self._router_call("pick", model, slo))
+        try:
+            return await asyncio.shield(pick)
+        except asyncio.CancelledError:
+            pick.add_done_callback(lambda done: self._release_unused(done, model))
+            raise
+
+    def _release_unused(self, pick: asyncio.Future, model: str) -> None:
+        if not pick.cancelled() and pick.exception() is None:
+            worker_id, _ = pick.result()
+            self.router.release.remote(worker_id, model)
 
     async def servable_models(self, timeout_s: float = 5.0) -> list[str]:
         """The served models some live worker can take now (for /health); none when the router
@@ -100,36 +152,41 @@ class ClusterEngineClient:
         return sorted(registered & set(self._models))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        sent = _Sent([], [], 0)   # what the client has: resumed from here on a worker death
         tried: list[str] = []
         for _ in range(self.max_dispatches):
             try:
-                worker_id, handle = await self._pick(req.model, req.slo)
+                worker_id, handle = await self._pick(req.model, req.slo, after_failure=bool(tried))
             except Exception as exc:  # NoWorkerError (a RayTaskError), or the router is gone
-                yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}")
+                yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}"
+                                  + (f"; {len(sent.token_ids)} tokens were sent" if sent.token_ids else ""))
                 return
             tried.append(worker_id)
-            produced = False
-            stream = stream_frames(handle.generate.remote(req))
+            try:
+                stream = await self._open(handle, req, sent)
+            except _WORKER_GONE:
+                await self._worker_failed(worker_id, req, sent)
+                self.router.release.remote(worker_id, req.model)
+                continue
+            except ValueError as exc:   # the worker refused to adopt it (an unknown model, a bad state)
+                self.router.release.remote(worker_id, req.model)
+                yield _error(req, f"worker {worker_id} could not continue the request: {exc}", worker_id)
+                return
+            except BaseException:   # cancelled while the worker adopted it: its place is returned
+                self.router.release.remote(worker_id, req.model)
+                raise
             self._streams[req.request_id] = stream
             try:
                 async with stream:   # left early (closed or cancelled): the stream stops the worker's work
                     async for frame in stream:
-                        produced = produced or bool(frame.token_ids or frame.text)
+                        sent.add(frame)
                         yield frame
                         if frame.finished:
                             return
                 yield _error(req, f"worker {worker_id} ended the stream without a finish reason")
                 return
-            except _WORKER_GONE as exc:
-                if produced:
-                    logger.warning("worker %s died mid-stream of %s: %s", worker_id, req.request_id, exc)
-                    yield _error(req, f"worker {worker_id} died after the request produced tokens; "
-                                      f"partial output was kept: {_cause(exc)}", worker_id)
-                    return
-                logger.warning("worker %s died before %s produced a token: re-dispatching",
-                               worker_id, req.request_id)
-                await self.router.report_failure.remote(worker_id)
-                self.num_redispatched += 1
+            except _WORKER_GONE:
+                await self._worker_failed(worker_id, req, sent)
             except ray.exceptions.TaskCancelledError:
                 return  # aborted by us; the consumer is gone
             except ray.exceptions.RayTaskError as exc:
@@ -139,7 +196,51 @@ class ClusterEngineClient:
                 if self._streams.get(req.request_id) is stream:
                     del self._streams[req.request_id]
                 self.router.release.remote(worker_id, req.model)  # fire and forget: never block a finally
-        yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}")
+        yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}"
+                          + (f"; {len(sent.token_ids)} tokens were sent" if sent.token_ids else ""))
+
+    async def _open(self, handle: Any, req: GenerateRequest, sent: "_Sent") -> FrameStream:
+        """The request's frame stream on `handle`: from the start, or adopted with what was sent."""
+        if not sent.token_ids:
+            return stream_frames(handle.generate.remote(req))
+        # A new id on the worker: the dead worker may have been relaying it from this very worker
+        # (prefill/decode split), which still holds it under the old one until it notices.
+        sent.num_resumes += 1
+        resumed = dataclasses.replace(req, request_id=f"{req.request_id}.resume{sent.num_resumes}")
+        state = HandoffState(resumed, tuple(sent.token_ids), tuple(sent.token_times), 0, sent.num_chars)
+        ack = await handle.adopt_prefilled.remote(state, None)   # no KV: the worker recomputes the prefix
+        if not ack.adopted and ack.error:
+            raise ValueError(ack.error)
+        # opened with no await after the ack: the adopted request's frames wait in its buffer
+        return stream_frames(handle.generate_prefilled.remote(resumed.request_id))
+
+    async def _worker_failed(self, worker_id: str, req: GenerateRequest, sent: "_Sent") -> None:
+        if sent.token_ids:
+            logger.warning("worker %s died mid-stream of %s after %d tokens: resuming elsewhere",
+                           worker_id, req.request_id, len(sent.token_ids))
+            self.num_resumed += 1
+        else:
+            logger.warning("worker %s died before %s produced a token: re-dispatching", worker_id, req.request_id)
+            self.num_redispatched += 1
+        try:
+            await self._router_call("report_failure", worker_id)
+        except Exception as exc:   # the router is down too: the pick that follows waits for it
+            logger.info("reporting %s to the router failed: %s", worker_id, _cause(exc))
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What the client of one request has: the output a resumed request starts from."""
+
+    token_ids: list[int]
+    token_times: list[float]
+    num_chars: int
+    num_resumes: int = 0
+
+    def add(self, frame: OutputFrame) -> None:
+        self.token_ids += frame.token_ids
+        self.token_times += frame.token_times
+        self.num_chars += len(frame.text)
 
 
 def _error(req: GenerateRequest, message: str, worker_id: str | None = None) -> OutputFrame:

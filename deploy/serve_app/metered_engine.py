@@ -14,6 +14,7 @@ goodput is judged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from typing import Any, AsyncIterator
 
@@ -77,11 +78,14 @@ class MeteredEngineClient:
         times: list[float] = []
         outcome = FINISH_CANCELLED   # until a frame says otherwise: the consumer left early
         try:
-            async for frame in self.inner.generate(req):
-                times += frame.token_times
-                if frame.finished:
-                    outcome = "error" if frame.finish_reason == FINISH_ERROR else "ok"
-                yield frame
+            # aclosing: a consumer that leaves closes the inner stream now (its release and cancel),
+            # not whenever the garbage collector finalises it
+            async with contextlib.aclosing(self.inner.generate(req)) as frames:
+                async for frame in frames:
+                    times += frame.token_times
+                    if frame.finished:
+                        outcome = "error" if frame.finish_reason == FINISH_ERROR else "ok"
+                    yield frame
         except Exception:
             outcome = "error"
             raise
