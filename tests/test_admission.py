@@ -67,6 +67,23 @@ def test_a_request_predicted_to_start_past_twice_its_ttft_slo_is_refused_with_th
     assert admission.rejected == 1
 
 
+def test_a_first_burst_waits_only_up_to_the_cold_bound_until_its_start_rate_is_measured():
+    clock = Clock()
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, cold_waiting=8), clock=clock)
+    queue = [admission.admit(MODEL, 1.0) for _ in range(8)]
+    e = refusal(admission)                                            # no rate yet: the 9th waits outside
+    assert "8 requests waiting to start and no measured start rate yet" in e.message
+    assert e.headers["Retry-After"] == "1"
+    assert admission.admit(OTHER_MODEL, 1.0) is not None              # the bound is per model
+    for _ in range(5):                                                # the standing queue serves 4 / s
+        clock.now += 0.25
+        queue.pop(0).first_token()
+    assert admission.predicted_ttft_s(MODEL) == pytest.approx(1.0)    # (3 waiting + 1) / 4 per s
+    queue += [admission.admit(MODEL, 1.0) for _ in range(5)]          # measured: the prediction decides now,
+    assert admission.waiting(MODEL) == 8                              # past the cold bound: up to (7 + 1) / 4 = 2 s
+    assert "about 2.2 s" in refusal(admission).message                # (8 + 1) / 4 > 2 x 1 s
+
+
 def test_an_idle_gap_is_not_taken_for_a_slow_server():
     clock = Clock()
     admission = Admission(AdmissionConfig(max_waiting=1000), clock=clock)

@@ -10,7 +10,11 @@ when
   `ttft_slo_multiple` x its own TTFT SLO.
 The first-token rate is measured only while a queue stands (between two first tokens with
 requests waiting throughout): that is what the cluster delivers when busy. At light load
-nothing waits, so nothing is predicted; right after start only the hard bounds apply.
+nothing waits, so nothing is predicted. Until a model's rate has been measured, at most
+`cold_waiting` of its requests wait: a burst that comes first (a server just started, a model
+idle until now) would otherwise be admitted up to `max_waiting` with no idea how fast it
+drains (the chaos bench's 10x burst was: accepted requests then waited 12x their TTFT SLO).
+The queue the cold bound lets form is what measures the rate.
 
 A refusal is a 429 in OpenAI's shape with `Retry-After` (seconds until the queue ahead is
 predicted to be short enough, at least 1): the openai SDK retries it on its own. Counts are
@@ -36,9 +40,10 @@ class AdmissionConfig:
     max_active: int = 1024          # all models: accepted and not finished
     ttft_slo_multiple: float = 2.0  # refuse when predicted TTFT > this x the TTFT SLO; 0 = never predict
     rate_window: int = 64           # first-token intervals the rate is measured over
+    cold_waiting: int = 16          # per model, until its first-token rate is measured (see above)
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_active", "rate_window"):
+        for name in ("max_waiting", "max_active", "rate_window", "cold_waiting"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -52,6 +57,14 @@ def overloaded(message: str, retry_after_s: float) -> OpenAIError:
                        headers={"Retry-After": str(seconds)})
 
 
+RECENT = 16   # first-token intervals of the recent rate
+
+
+def _per_second(intervals) -> float:
+    total = sum(intervals)
+    return math.inf if total <= 0 else len(intervals) / total
+
+
 class _ModelQueue:
     def __init__(self, window: int) -> None:
         self.waiting = 0
@@ -59,11 +72,13 @@ class _ModelQueue:
         self.last_first: float | None = None                  # time of the last first token, queue standing
 
     def rate(self) -> float | None:
-        """First tokens per second while a queue stands; None until a few were seen."""
+        """First tokens per second while a queue stands; None until a few were seen. The lower
+        of the whole window's rate and the latest RECENT intervals': when overload slows the
+        cluster (on a small host the edge's own work takes the workers' CPU), the recent rate
+        falls first, and admitting at the old one would promise starts the cluster no longer makes."""
         if len(self.intervals) < 4:
             return None
-        total = sum(self.intervals)
-        return math.inf if total <= 0 else len(self.intervals) / total
+        return min(_per_second(self.intervals), _per_second(list(self.intervals)[-RECENT:]))
 
     def first_token(self, now: float) -> None:
         self.waiting -= 1
@@ -108,6 +123,10 @@ class Admission:
             self.rejected += 1
             raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start (its limit)",
                              drain_s(q.waiting - c.max_waiting + 1))
+        if rate is None and c.ttft_slo_multiple > 0 and q.waiting >= min(c.cold_waiting, c.max_waiting):
+            self.rejected += 1
+            raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start and no measured start "
+                             "rate yet", 1.0)
         predicted = self.predicted_ttft_s(model)
         allowed = c.ttft_slo_multiple * ttft_slo_s
         if c.ttft_slo_multiple > 0 and predicted is not None and predicted > allowed:
