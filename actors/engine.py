@@ -235,7 +235,8 @@ class Engine:
         sampled, failed = self._run(output)
         run_s = time.perf_counter() - run_start
         frames = self._fail(failed)      # requests that failed alone end here; the step goes on
-        finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s)
+        finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s,
+                                      self.slots.take_copy_seconds(output.model))
         self.policy.set_resident(self.slots.resident())
         frames += self._emit(output, finished)
         self.metrics.on_step(output, switch_s, start)

@@ -34,8 +34,15 @@ logger = logging.getLogger(__name__)
 class _Inflight:
     slot: int
     started: float
-    event: torch.cuda.Event | None = None     # GPU
-    future: Future | None = None              # CPU
+    event: torch.cuda.Event | None = None     # GPU: recorded after the copy
+    future: Future | None = None              # CPU: its result is the time the copy ended
+    start_event: torch.cuda.Event | None = None   # GPU: recorded before the copy
+
+    def copy_seconds(self) -> float:
+        """How long the copy took (call once it is done)."""
+        if self.event is not None:
+            return self.start_event.elapsed_time(self.event) / 1e3
+        return self.future.result() - self.started
 
     def done(self) -> bool:
         return self.event.query() if self.event is not None else self.future.done()
@@ -68,6 +75,8 @@ class WeightSlots:
         self._inflight: dict[str, _Inflight] = {}
         self._views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self._current: str | None = None
+        # model -> seconds its latest swap-in copy took, until ensure_resident first uses it
+        self._copy_s: dict[str, float] = {}
         self._stats = SwapStats()
         self._cuda = device_memory.device.type == "cuda"
         if self._cuda:
@@ -104,6 +113,7 @@ class WeightSlots:
             if self._cuda:   # the compute stream must also see the finished copy
                 torch.cuda.current_stream(self.mem.device).wait_event(inflight.event)
             self._lru[model] = inflight.slot
+            self._copy_s[model] = inflight.copy_seconds()
         else:
             slot = self._take_slot(for_prefetch=False)
             dst = self.mem.slot(slot)[:layout.total_bytes]
@@ -112,9 +122,16 @@ class WeightSlots:
                 torch.cuda.current_stream(self.mem.device).synchronize()
             self._assign(model, slot)
             self._lru[model] = slot
+            self._copy_s[model] = time.perf_counter() - start
         elapsed = time.perf_counter() - start
         self._stats.blocking_seconds += elapsed
         return elapsed
+
+    def take_copy_seconds(self, model: str) -> float | None:
+        """Seconds the swap-in that put `model` in its slot took, the first time it is asked after
+        that swap (prefetched or not, hidden or not); None when no swap happened since.
+        What a switch costs the device, where ensure_resident's answer is only what it blocked."""
+        return self._copy_s.pop(model, None)
 
     def prefetch(self, model: str) -> bool:
         """Start copying `model` into a free or least-recently-used slot in the background.
@@ -131,11 +148,13 @@ class WeightSlots:
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.mem.device))
             with torch.cuda.stream(self._stream):
+                inflight.start_event = torch.cuda.Event(enable_timing=True)
+                inflight.start_event.record(self._stream)
                 dst.copy_(src, non_blocking=True)
-                inflight.event = torch.cuda.Event()
+                inflight.event = torch.cuda.Event(enable_timing=True)
                 inflight.event.record(self._stream)
         else:
-            inflight.future = self._executor.submit(dst.copy_, src)
+            inflight.future = self._executor.submit(_copy_then_time, dst, src)
         self._assign(model, slot)
         self._inflight[model] = inflight
         self._stats.num_prefetches += 1
@@ -172,6 +191,7 @@ class WeightSlots:
                 inflight.wait()   # surfaces a CPU copy's exception
                 del self._inflight[model]
                 self._lru[model] = inflight.slot
+                self._copy_s[model] = inflight.copy_seconds()
 
     def _take_slot(self, for_prefetch: bool) -> int | None:
         self._settle()
@@ -204,3 +224,9 @@ def _view(data: torch.Tensor, entry) -> torch.Tensor:
     if entry.packed is not None:
         return packed_view(data, entry.shape, entry.dtype, entry.packed)
     return data.view(entry.dtype).view(entry.shape)
+
+
+def _copy_then_time(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """A prefetch on the CPU: the copy, then when it ended (perf_counter)."""
+    dst.copy_(src)
+    return time.perf_counter()

@@ -40,6 +40,7 @@ class _Step:
     start: float
     wait_s: float
     run_s: float
+    copy_s: float | None = None   # the swap-in that brought the step's model (None: it was there)
 
 
 class SimWorker:
@@ -54,6 +55,7 @@ class SimWorker:
         self.role = "mixed"
         self.slots: OrderedDict[str, float] = OrderedDict()   # model -> time its weights are ready, LRU first
         self._link_free = 0.0            # the host link copies one thing at a time
+        self._copy_s: dict[str, float] = {}   # swapped in, not run since: its copy time
         self._running_model: str | None = None
         self.step: _Step | None = None   # the step in flight
         self.step_time_ema = 0.0
@@ -88,7 +90,7 @@ class SimWorker:
                 and output.prefetch_model in self.policy.models:
             self._prefetch(output.prefetch_model, now)
         run = self._kv_swap_s(output) + self._compute_s(output)
-        self.step = _Step(output, now, wait, run)
+        self.step = _Step(output, now, wait, run, self._copy_s.pop(output.model, None))
         return now + wait + run
 
     def finish_step(self, now: float) -> tuple[SchedulerOutput, list[Request]]:
@@ -96,7 +98,7 @@ class SimWorker:
         step, self.step = self.step, None
         live = [r for r in step.output.requests if self.policy.requests.get(r.request_id) is r]
         finished = self.policy.update(step.output, {r.request_id: SAMPLED_TOKEN for r in live}, now,
-                                      step.run_s, step.wait_s)
+                                      step.run_s, step.wait_s, step.copy_s)
         self.policy.set_resident(m for m, ready in self.slots.items() if ready <= now)
         duration = now - step.start
         self.step_time_ema = duration if not self.step_time_ema else (
@@ -141,6 +143,7 @@ class SimWorker:
                 self.slots.popitem(last=False)   # least recently used
             start = max(now, self._link_free)
             self.slots[model] = self._link_free = start + self._switch_s(model)
+            self._copy_s[model] = self._switch_s(model)
             self.num_swaps += 1
         self.slots.move_to_end(model)
         self._running_model = model
@@ -157,6 +160,7 @@ class SimWorker:
             del self.slots[victim]
         start = max(now, self._link_free)
         self.slots[model] = self._link_free = start + self._switch_s(model)
+        self._copy_s[model] = self._switch_s(model)
         self.slots.move_to_end(model)
         self.slots.move_to_end(self._running_model)   # the running model stays most recent
         self.num_swaps += 1

@@ -229,8 +229,16 @@ class SchedulingPolicy(ABC):
         now: float,
         step_time_s: float = 0.0,
         switch_time_s: float = 0.0,
+        copy_time_s: float | None = None,
     ) -> list[Request]:
-        """Apply one step's sampled tokens; returns the requests that finished."""
+        """Apply one step's sampled tokens; returns the requests that finished.
+
+        switch_time_s: what the step waited for output.model's weights. copy_time_s: what the
+        swap-in that brought them took, hidden by a prefetch or not (None: no swap since the
+        model last ran). The estimator learns switch costs from the copy: learning them from the
+        wait made a well-hidden switch look free, the quota rule then gave one-step turns, the
+        prefetch could no longer keep up, the waits grew and the quotas with them, and a run
+        settled by chance in one of the two regimes (8 swapping models: 26 or 199 swaps)."""
         requests = self.requests
         live = [r for r in output.requests if requests.get(r.request_id) is r]
         if len(sampled) < len(live) or any(r.request_id not in sampled for r in live):
@@ -243,8 +251,9 @@ class SchedulingPolicy(ABC):
             else:
                 context = sum(r.num_tokens for r in output.requests)
                 self.estimator.observe_decode(output.model, len(output.requests), context, step_time_s)
-        if switch_time_s > 0:
-            self.estimator.observe_switch(output.model, switch_time_s)
+        switch_cost_s = switch_time_s if copy_time_s is None else copy_time_s
+        if switch_cost_s > 0:
+            self.estimator.observe_switch(output.model, switch_cost_s)
         finished = []
         for request in live:
             outputs = request.output_token_ids

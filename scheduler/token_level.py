@@ -93,7 +93,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             self._last_step = (now, 0.0)
         return output
 
-    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0):
+    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None):
         if self._last_step is not None:
             self._last_step = (self._last_step[0], step_time_s + switch_time_s)
         spent = step_time_s + switch_time_s
@@ -101,7 +101,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             self._prefill_credit_s -= spent
         elif output.requests:
             self._prefill_credit_s = min(self._prefill_cap_s, self._prefill_credit_s + self._prefill_rate * spent)
-        finished = super().update(output, sampled, now, step_time_s, switch_time_s)
+        finished = super().update(output, sampled, now, step_time_s, switch_time_s, copy_time_s)
         if not self.requests:  # the device goes idle: the next gap is not a step's overhead
             self._last_step = None
         return finished
