@@ -150,7 +150,14 @@ def test_a_killed_router_is_rebuilt_from_the_live_workers(topology, restart):
     recovered_s = time.monotonic() - t0
     assert frames[-1].finish_reason == "length", frames[-1].error
     assert recovered_s <= 10.0
-    assert set(ray.get(topology.router.status.remote()).workers) == live
+
+    def router_lists(workers: set[str]) -> bool:
+        try:   # the handle may point at a router Ray is still restarting: it answers once back
+            return set(ray.get(topology.router.status.remote(), timeout=5).workers) == workers
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return False
+
+    wait_until(lambda: router_lists(live), 20, 0.25, what="the router to list every live worker")
 
 
 def test_the_watchdog_names_a_step_past_its_bound_and_a_stopped_loop(zoo_model):
