@@ -50,22 +50,15 @@ class OutputAssembler:
         if finished:   # the last frame: a character cut off by the end becomes U+FFFD,
             detokenizer.finish()   # as tokenizer.decode(output_ids) gives it
         text = detokenizer.text
-        if not self.stops:   # most requests: the text goes out as it completes
-            delta = text[self.num_sent_chars:]
-            self.num_sent_chars = max(self.num_sent_chars, len(text))
-            finish = request.status.finish_reason if finished else None
-            return OutputFrame(request.request_id, new_ids, delta, times, finish,
-                               num_prompt_tokens=self.num_prompt_tokens), False
-        # only a stop string ending in the new text can be new: search from where one could start
-        cut = find_stop(text, self.stops, start=self._searched - self.holdback)
-        self._searched = len(text)
-        stopped = cut is not None
-        if stopped:
-            end = cut
-        elif finished:
-            end = len(text)
-        else:
-            end = max(self.num_sent_chars, len(text) - self.holdback)
+        stopped, end = False, len(text)
+        if self.stops:
+            # only a stop string ending in the new text can be new: search from where one could start
+            cut = find_stop(text, self.stops, start=self._searched - self.holdback)
+            self._searched = len(text)
+            if cut is not None:
+                end, stopped = cut, True
+            elif not finished:
+                end = max(self.num_sent_chars, len(text) - self.holdback)
         delta = text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         finish = request.status.finish_reason if finished else None

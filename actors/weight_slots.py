@@ -122,8 +122,9 @@ class WeightSlots:
                 torch.cuda.current_stream(self.mem.device).synchronize()
             self._assign(model, slot)
             self._lru[model] = slot
-            self._copy_s[model] = time.perf_counter() - start
         elapsed = time.perf_counter() - start
+        if inflight is None:   # a copy made here took what the step waited
+            self._copy_s[model] = elapsed
         self._stats.blocking_seconds += elapsed
         return elapsed
 

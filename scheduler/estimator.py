@@ -202,14 +202,9 @@ class StepLatencyEstimator:
         return max(t, self.min_step_s)
 
     def predict_decode(self, model: str, batch_size: int, num_context_tokens: int) -> float:
-        # the scheduler asks this several times a step: the dot product written out (same arithmetic)
         fit = self._decode.get(model)
-        coef = fit.coef if fit is not None else None
-        if coef is None:
-            return max(self.default_decode_step_s, self.min_step_s)
-        a, b, c = coef
-        t = a + b * (batch_size * _DECODE_SCALE[1]) + c * (num_context_tokens * _DECODE_SCALE[2])
-        return max(t, self.min_step_s)
+        t = fit.predict(_scaled(_DECODE_SCALE, batch_size, num_context_tokens)) if fit else None
+        return max(self.default_decode_step_s if t is None else t, self.min_step_s)
 
     def predict_switch(self, model: str) -> float:
         """Time to bring `model`'s weights onto the device (0 for an unknown size)."""

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from scheduler.quota import QuotaPlan, decode_quotas
+from scheduler.quota import QuotaPlan, decode_quotas, free_switch_alpha, switch_alpha
 
 
 @dataclass(frozen=True)
@@ -167,12 +167,9 @@ class _RoundSums:
         switch, quota, inv_n, min_n, min_slo, resident = self._grown(self._sums, b)
         c0 = 0.0 if resident else switch
         rule = self.rule
-        if c0 == 0:   # every batch gets min_quota_steps steps (decode_quotas' free-switch case)
-            return quota / rule.min_quota_steps / min_slo
-        quota_max_s = rule.quota_max_s
-        if rule.switch_factor is not None:
-            quota_max_s = min(quota_max_s, rule.switch_factor * c0)
-        return max(c0 / (min_n * quota_max_s) + inv_n, 0.5)
+        if c0 == 0:
+            return free_switch_alpha(quota, rule.min_quota_steps, min_slo)
+        return switch_alpha(c0, inv_n, min_n, rule.quota_max_s, rule.switch_factor)
 
 
 def admits(batches: Sequence[BatchLoad], rule: RoundRule, prefill_s: float,

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.estimator import StepLatencyEstimator
-from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
+from scheduler.kv_blocks import BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
 
@@ -239,10 +239,9 @@ class SchedulingPolicy(ABC):
         wait made a well-hidden switch look free, the quota rule then gave one-step turns, the
         prefetch could no longer keep up, the waits grew and the quotas with them, and a run
         settled by chance in one of the two regimes (8 swapping models: 26 or 199 swaps)."""
-        requests = self.requests
-        live = [r for r in output.requests if requests.get(r.request_id) is r]
-        if len(sampled) < len(live) or any(r.request_id not in sampled for r in live):
-            missing = [r.request_id for r in live if r.request_id not in sampled]
+        live = [r for r in output.requests if self.requests.get(r.request_id) is r]
+        missing = [r.request_id for r in live if r.request_id not in sampled]
+        if missing:
             raise ValueError(f"no sampled token for requests {missing} of the step")
         if step_time_s > 0 and output.requests:
             if output.is_prefill:
@@ -256,10 +255,9 @@ class SchedulingPolicy(ABC):
             self.estimator.observe_switch(output.model, switch_cost_s)
         finished = []
         for request in live:
-            outputs = request.output_token_ids
-            request.num_computed_tokens = len(request.prompt_token_ids) + len(outputs)
+            request.num_computed_tokens = request.num_tokens
             token = int(sampled[request.request_id])
-            outputs.append(token)
+            request.output_token_ids.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -301,7 +299,8 @@ class SchedulingPolicy(ABC):
         swapping in and preempting as needed."""
         batch = self.running[model][: self.config.max_batch_size]
         # most decode steps: every request RUNNING with room for its next token in its last block
-        if all(r.status is RequestStatus.RUNNING and r.num_tokens <= len(r.block_ids) * BLOCK_SIZE for r in batch):
+        if all(r.status is RequestStatus.RUNNING and blocks_for_tokens(r.num_tokens) <= len(r.block_ids)
+               for r in batch):
             return SchedulerOutput(model, batch, False) if batch else None
         shape = self.models[model].kv_shape
         pending = list(batch)

@@ -82,11 +82,21 @@ def decode_quotas(
     if switch_time_s == 0:
         quotas = tuple(min_quota_steps * d for d in step_times_s)
         round_s = sum(quotas)
-        # each batch emits min_quota_steps tokens per round
-        alpha = max(round_s / min_quota_steps / slo for slo in tbt_slos_s)
-        return QuotaPlan(alpha=alpha, quotas_s=quotas)
+        return QuotaPlan(alpha=free_switch_alpha(round_s, min_quota_steps, min(tbt_slos_s)), quotas_s=quotas)
     s = sum(1.0 / x for x in n)
+    alpha = switch_alpha(switch_time_s, s, min(n), quota_max_s, switch_factor)
+    return QuotaPlan(alpha=alpha, quotas_s=tuple(switch_time_s / (x * (alpha - s)) for x in n))
+
+
+def free_switch_alpha(round_s: float, min_quota_steps: int, min_tbt_slo_s: float) -> float:
+    """alpha of a round whose switches are free: each batch emits min_quota_steps tokens per
+    round of `round_s`, so the tightest SLO decides."""
+    return round_s / min_quota_steps / min_tbt_slo_s
+
+
+def switch_alpha(switch_time_s: float, sum_inv_n: float, min_n: float, quota_max_s: float,
+                 switch_factor: float | None) -> float:
+    """The rule's alpha from a round's sums: c0, S = sum_j 1/n_j and min_i n_i (docstring above)."""
     if switch_factor is not None:
         quota_max_s = min(quota_max_s, switch_factor * switch_time_s)
-    alpha = max(switch_time_s / (min(n) * quota_max_s) + s, 0.5)
-    return QuotaPlan(alpha=alpha, quotas_s=tuple(switch_time_s / (x * (alpha - s)) for x in n))
+    return max(switch_time_s / (min_n * quota_max_s) + sum_inv_n, 0.5)
