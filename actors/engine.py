@@ -225,24 +225,43 @@ class Engine:
     # -- the hot loop -----------------------------------------------------------------------
 
     def step(self) -> list[OutputFrame]:
-        """schedule -> run -> update -> emit. Returns the frames of this step (possibly none)."""
+        """schedule -> run -> update -> emit. Returns the frames of this step (possibly none).
+
+        A decode output may allow several steps of its batch (output.num_steps, see
+        scheduler/policy.py): they run back to back, each forward + sample + update, until
+        one ends a request; then one emit makes each request's frame of the run."""
         start = time.perf_counter()
         output = self.policy.schedule(self.clock())
         if output is None:
             return []
         switch_s = self._prepare(output)
-        run_start = time.perf_counter()
-        sampled, failed = self._run(output)
-        run_s = time.perf_counter() - run_start
-        frames = self._fail(failed)      # requests that failed alone end here; the step goes on
-        finished = self.policy.update(output, sampled, self.clock(), run_s, switch_s,
-                                      self.slots.take_copy_seconds(output.model))
+        copy_s = self.slots.take_copy_seconds(output.model)
+        single = output.num_steps == 1   # a prefill, or a decode step on its own: observed as it runs
+        context = 0 if single else sum(r.num_tokens for r in output.requests)
+        frames: list[OutputFrame] = []
+        run_s, steps = 0.0, 0
+        while True:
+            run_start = time.perf_counter()
+            sampled, failed = self._run(output)
+            step_s = time.perf_counter() - run_start
+            run_s += step_s
+            steps += 1
+            if failed:   # requests that failed alone end here; the step goes on
+                frames += self._fail(failed)
+            first = steps == 1
+            finished = self.policy.update(output, sampled, self.clock(), step_s, switch_s if first else 0.0,
+                                          copy_s, observe=single)
+            if finished or failed or steps >= output.num_steps:
+                break
+        if not single:   # one observation of a run: its mean step (the first after a switch runs on cold caches)
+            self.policy.observe(output, run_s / steps, switch_s, copy_s,
+                                context + len(output.requests) * (steps - 1) // 2)
         self.policy.set_resident(self.slots.resident())
         frames += self._emit(output, finished)
-        self.metrics.on_step(output, switch_s, start)
+        self.metrics.on_step(output, switch_s, start, steps)
         if self._hold_after_prefill:
             self._hold_prefilled(output)
-        self._account(output, start, run_start, run_s)
+        self._account(output, start, steps, run_s)
         return frames
 
     def _hold_prefilled(self, output: SchedulerOutput) -> None:
@@ -420,15 +439,16 @@ class Engine:
 
     # -- bookkeeping ----------------------------------------------------------------------
 
-    def _account(self, output: SchedulerOutput, start: float, run_start: float, run_s: float) -> None:
+    def _account(self, output: SchedulerOutput, start: float, steps: int, run_s: float) -> None:
         end = time.perf_counter()
-        self.num_steps += 1
+        self.num_steps += steps
         self.forward_seconds += run_s
         self.step_seconds += end - start
         if not output.is_prefill:   # what a queued request waits per step: the router's step time
-            self.decode_step_s = _ema(self.decode_step_s, end - start)
+            step_s = (end - start) / steps
+            self.decode_step_s = _ema(self.decode_step_s, step_s)
             self.decode_step_s_by_model[output.model] = _ema(self.decode_step_s_by_model.get(output.model, 0.0),
-                                                             end - start)
+                                                             step_s)
         now = self.clock()
         self.timeline.append((output.model, now - (end - start), now, output.is_prefill))
 

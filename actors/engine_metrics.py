@@ -80,8 +80,9 @@ class EngineRecorder:
 
     # -- hot path (engine thread) -----------------------------------------------------------
 
-    def on_step(self, output, switch_s: float, start: float) -> None:
-        """After a step's emit: `output` its SchedulerOutput, `start` its perf_counter start."""
+    def on_step(self, output, switch_s: float, start: float, steps: int = 1) -> None:
+        """After a step's emit: `output` its SchedulerOutput, `start` its perf_counter start,
+        `steps` how many steps of it ran (a multi-step decode run: one token per step each)."""
         now = self.clock()
         model = output.model
         acc = self._models.get(model) or self._acc(model)
@@ -102,13 +103,17 @@ class EngineRecorder:
             if status is _ABORTED:   # aborted before its token: nothing was produced
                 continue
             times = r.token_times
-            acc.generation_tokens += 1
-            if len(r.output_token_ids) == 1:
+            acc.generation_tokens += steps
+            first = len(r.output_token_ids) - steps   # index of this step's (run's) first token
+            if first == 0:
                 acc.prompt_tokens += len(r.prompt_token_ids)
                 if r.arrival_time:
-                    acc.ttft.append(times[-1] - r.arrival_time)
-            elif len(times) > 1:
-                acc.itl.append(times[-1] - times[-2])
+                    acc.ttft.append(times[0] - r.arrival_time)
+            if steps == 1:
+                if first and len(times) > 1:
+                    acc.itl.append(times[-1] - times[-2])
+            else:
+                acc.itl += [b - a for a, b in zip(times[max(first - 1, 0):-1], times[max(first, 1):])]
             reason = _DONE.get(status)
             if reason is not None:
                 acc.finished[reason] = acc.finished.get(reason, 0) + 1
@@ -168,7 +173,7 @@ class EngineRecorder:
 class NullRecorder(EngineRecorder):
     """Records nothing: the 'off' side of the metrics overhead benchmark."""
 
-    def on_step(self, output, switch_s: float, start: float) -> None:
+    def on_step(self, output, switch_s: float, start: float, steps: int = 1) -> None:
         pass
 
 

@@ -37,4 +37,4 @@ class DedicatedPolicy(SchedulingPolicy):
         if model not in self.models:
             return None
         output = self._prefill_step(model, list(self.waiting[model])) if self.waiting[model] else None
-        return output or self._decode_step(model)
+        return output or self._decode_step(model, self.config.max_decode_steps)

@@ -19,6 +19,16 @@ blocks: every admitted request finishes or is aborted.
 The engine applies a SchedulerOutput in this order: swap_out copies, then swap_in copies,
 then the forward pass. Device blocks freed by a swap-out may be handed to a swap-in or to a
 new request of the same step; host blocks freed by a swap-in are not reused in that step.
+
+Multi-step decode. A decode output may let the engine run `num_steps` steps of its batch
+back to back, calling `update` after each but `schedule` only once (vLLM's multi-step
+scheduling): on a small model the scheduling, accounting and text of a step cost a real
+share of its forward, and here they are paid once per run. The policy gives every request
+its KV blocks for the whole run up front and caps the run at the batch's tokens left, its
+turn's quota (token-level) and `max_decode_steps`; the engine ends a run early when a
+request finishes or fails, and a request with stop strings (found in the text, after the
+run) keeps runs of one step. New requests and aborts wait for the run's end: at most
+`max_decode_steps` steps, inside the turn they would have waited for anyway.
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.estimator import StepLatencyEstimator
-from scheduler.kv_blocks import BlockManager, KVShape, blocks_for_tokens
+from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
 
@@ -45,9 +55,11 @@ class SchedulerConfig:
     quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
     overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
     admit_alpha: float = 0.9  # overload control admits new requests while the next round's alpha <= this
+    max_decode_steps: int = 8  # decode steps the engine may run back to back per schedule call (1: one)
 
     def __post_init__(self) -> None:
-        for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps"):
+        for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps",
+                     "max_decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
@@ -70,6 +82,7 @@ class SchedulerOutput:
     swap_out: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, device, host)
     swap_in: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, host, device)
     prefetch_model: str | None = None  # model expected next: start copying its weights now
+    num_steps: int = 1  # decode steps the engine may run back to back with this batch (see _lookahead)
 
     @property
     def num_new_tokens(self) -> int:
@@ -230,29 +243,20 @@ class SchedulingPolicy(ABC):
         step_time_s: float = 0.0,
         switch_time_s: float = 0.0,
         copy_time_s: float | None = None,
+        observe: bool = True,
     ) -> list[Request]:
         """Apply one step's sampled tokens; returns the requests that finished.
 
         switch_time_s: what the step waited for output.model's weights. copy_time_s: what the
         swap-in that brought them took, hidden by a prefetch or not (None: no swap since the
-        model last ran). The estimator learns switch costs from the copy: learning them from the
-        wait made a well-hidden switch look free, the quota rule then gave one-step turns, the
-        prefetch could no longer keep up, the waits grew and the quotas with them, and a run
-        settled by chance in one of the two regimes (8 swapping models: 26 or 199 swaps)."""
+        model last ran). observe: teach the estimator these times now (see `observe`; a
+        multi-step run teaches it once, after its last step)."""
         live = [r for r in output.requests if self.requests.get(r.request_id) is r]
         missing = [r.request_id for r in live if r.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for requests {missing} of the step")
-        if step_time_s > 0 and output.requests:
-            if output.is_prefill:
-                self.estimator.observe_prefill(
-                    output.model, output.num_new_tokens, len(output.requests), step_time_s)
-            else:
-                context = sum(r.num_tokens for r in output.requests)
-                self.estimator.observe_decode(output.model, len(output.requests), context, step_time_s)
-        switch_cost_s = switch_time_s if copy_time_s is None else copy_time_s
-        if switch_cost_s > 0:
-            self.estimator.observe_switch(output.model, switch_cost_s)
+        if observe:
+            self.observe(output, step_time_s, switch_time_s, copy_time_s)
         finished = []
         for request in live:
             request.num_computed_tokens = request.num_tokens
@@ -266,6 +270,27 @@ class SchedulingPolicy(ABC):
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def observe(self, output: SchedulerOutput, step_time_s: float, switch_time_s: float = 0.0,
+                copy_time_s: float | None = None, context: int | None = None) -> None:
+        """Teach the estimator a step of `output`: its time, and the switch it paid. context:
+        the KV tokens the step read (default: what the requests hold now, before update).
+
+        The switch cost is learnt from the copy, not the wait: learning it from the wait made
+        a well-hidden switch look free, the quota rule then gave one-step turns, the prefetch
+        could no longer keep up, the waits grew and the quotas with them, and a run settled by
+        chance in one of the two regimes (8 swapping models: 26 or 199 swaps)."""
+        if step_time_s > 0 and output.requests:
+            if output.is_prefill:
+                self.estimator.observe_prefill(
+                    output.model, output.num_new_tokens, len(output.requests), step_time_s)
+            else:
+                if context is None:
+                    context = sum(r.num_tokens for r in output.requests)
+                self.estimator.observe_decode(output.model, len(output.requests), context, step_time_s)
+        switch_cost_s = switch_time_s if copy_time_s is None else copy_time_s
+        if switch_cost_s > 0:
+            self.estimator.observe_switch(output.model, switch_cost_s)
 
     # -- shared machinery for _choose ----------------------------------------------------
 
@@ -294,9 +319,40 @@ class SchedulingPolicy(ABC):
             self._insert_running(request)
         return SchedulerOutput(model=model, requests=chosen, is_prefill=True)
 
-    def _decode_step(self, model: str) -> SchedulerOutput | None:
-        """One decode step over the model's RUNNING and SWAPPED requests (oldest first),
-        swapping in and preempting as needed."""
+    def _decode_step(self, model: str, max_steps: int = 1) -> SchedulerOutput | None:
+        """A decode step over the model's RUNNING and SWAPPED requests (oldest first),
+        swapping in and preempting as needed; the engine may run up to `max_steps` of them
+        back to back (see _lookahead)."""
+        output = self._decode_batch(model)
+        if output is not None and max_steps > 1:
+            output.num_steps = self._lookahead(output, max_steps)
+        return output
+
+    def _lookahead(self, output: SchedulerOutput, max_steps: int) -> int:
+        """Steps of `output`'s batch the engine may run back to back: at most `max_steps` and
+        the fewest tokens any request has left, 1 when one has stop strings; each request gets
+        the blocks for the run now, without preempting (a request no free block can grow
+        shortens the run to the room it has)."""
+        steps = max_steps
+        for r in output.requests:
+            if r.sampling_params.stop:
+                return 1
+            steps = min(steps, r.max_num_tokens - r.num_tokens)
+        if steps <= 1:
+            return 1
+        shape = self.models[output.model].kv_shape
+        for r in output.requests:
+            need = blocks_for_tokens(r.num_tokens + steps - 1) - len(r.block_ids)
+            if need <= 0:
+                continue
+            ids = self.block_manager.allocate(shape, need)
+            if ids is None:   # the room its blocks have (>= 1: the first step's block is there)
+                steps = min(steps, len(r.block_ids) * BLOCK_SIZE - r.num_tokens + 1)
+            else:
+                r.block_ids = r.block_ids + ids
+        return max(1, steps)
+
+    def _decode_batch(self, model: str) -> SchedulerOutput | None:
         batch = self.running[model][: self.config.max_batch_size]
         # most decode steps: every request RUNNING with room for its next token in its last block
         if all(r.status is RequestStatus.RUNNING and blocks_for_tokens(r.num_tokens) <= len(r.block_ids)
@@ -323,7 +379,7 @@ class SchedulingPolicy(ABC):
         swapped = request.status is RequestStatus.SWAPPED
         have = 0 if swapped else len(request.block_ids)
         need = blocks_for_tokens(request.num_tokens) - have
-        if need == 0 and not swapped:   # most decode steps: the last block still has room
+        if need <= 0 and not swapped:   # most decode steps: the last block still has room
             return True
         while (ids := self.block_manager.allocate(shape, need)) is None:
             victim = self._pick_victim(protected)

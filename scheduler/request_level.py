@@ -25,7 +25,7 @@ class RequestLevelPolicy(SchedulingPolicy):
         # Prefill first (vLLM's order): waiting requests join as soon as they fit.
         output = self._prefill_step(model, list(self.waiting[model])) if self.waiting[model] else None
         if output is None:
-            output = self._decode_step(model)
+            output = self._decode_step(model, self.config.max_decode_steps)
         if output is not None:
             output.prefetch_model = self._expected_next(model)
         return output

@@ -66,7 +66,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._prefill_credit_s = 0.0
         self._prefill_cap_s = math.inf
         self._prefill_rate = math.inf
-        self._last_step: tuple[float, float] | None = None  # (schedule time, forward + switch s)
+        self._last_step: tuple[float, float, int] | None = None  # (schedule time, forward + switch s, steps)
         self.step_overhead_s = 0.0  # EWMA of a step's wall time outside the forward and switch
         self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
         self.last_alpha_all: float | None = None  # alpha had every batch been served (overload signal)
@@ -90,18 +90,19 @@ class TokenLevelPolicy(SchedulingPolicy):
         if output is not None:
             self._last_model = output.model
             output.prefetch_model = self._expected_next(output.model)
-            self._last_step = (now, 0.0)
+            self._last_step = (now, 0.0, 0)
         return output
 
-    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None):
-        if self._last_step is not None:
-            self._last_step = (self._last_step[0], step_time_s + switch_time_s)
+    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None, observe=True):
         spent = step_time_s + switch_time_s
+        if self._last_step is not None:   # the steps of a multi-step run add up
+            start, busy, steps = self._last_step
+            self._last_step = (start, busy + spent, steps + 1)
         if output.is_prefill:
             self._prefill_credit_s -= spent
         elif output.requests:
             self._prefill_credit_s = min(self._prefill_cap_s, self._prefill_credit_s + self._prefill_rate * spent)
-        finished = super().update(output, sampled, now, step_time_s, switch_time_s, copy_time_s)
+        finished = super().update(output, sampled, now, step_time_s, switch_time_s, copy_time_s, observe)
         if not self.requests:  # the device goes idle: the next gap is not a step's overhead
             self._last_step = None
         return finished
@@ -183,13 +184,14 @@ class TokenLevelPolicy(SchedulingPolicy):
         turn = self._turn
         if turn is None:
             return None
-        model = turn.model
+        model, step = turn.model, None
         if model not in self.models or not self._has_decode_work(model):
             over = True
         elif math.isinf(turn.deadline):
             over = self._others_busy(model, now)
         else:
-            over = now + self._predict_decode(model) > turn.deadline + _EPS
+            step = self._predict_decode(model)
+            over = now + step > turn.deadline + _EPS
         if over:
             self._turn = None
             return None
@@ -199,7 +201,16 @@ class TokenLevelPolicy(SchedulingPolicy):
                 output = self._prefill_step(model, [self.requests[rid] for rid in joining])
                 if output is not None:
                     return output
-        return self._decode_step(model)
+        return self._decode_step(model, self._steps_left(turn, now, step))
+
+    def _steps_left(self, turn: _Turn, now: float, step: float | None = None) -> int:
+        """Decode steps of `turn` that fit before its deadline (>= 1), at most max_decode_steps;
+        `step`: the predicted step time, when the caller has it."""
+        most = self.config.max_decode_steps
+        if math.isinf(turn.deadline) or most == 1:
+            return most
+        step = self._predict_decode(turn.model) if step is None else step
+        return max(1, min(most, int((turn.deadline + _EPS - now) / step))) if step > 0 else 1
 
     def _joining(self, model: str, now: float) -> list[str]:
         """Waiting requests of the running model that join its turn without a switch: FCFS
@@ -224,11 +235,12 @@ class TokenLevelPolicy(SchedulingPolicy):
                 model = self._round.popleft()
                 if model not in self.models or not self._has_decode_work(model):
                     continue
-                output = self._decode_step(model)
+                # the quota counts decode time only: a switch paid first extends the turn
+                switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
+                turn = _Turn(model, now + switch + self._quotas[model])
+                output = self._decode_step(model, self._steps_left(turn, now + switch))
                 if output is not None:
-                    # the quota counts decode time only: a switch paid first extends the turn
-                    switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
-                    self._turn = _Turn(model, now + switch + self._quotas[model])
+                    self._turn = turn
                     return output
             self._new_round(now)
             if not self._round:   # nothing decodes this round; it may have made room for prefills
@@ -311,11 +323,12 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _observe_overhead(self, now: float) -> None:
         """A step's wall time (this schedule call - the last one) minus its forward and switch:
-        scheduling, sampling, emitting and the worker's own work between steps."""
+        scheduling, sampling, emitting and the worker's own work between steps (a multi-step
+        run's, shared by its steps)."""
         last, self._last_step = self._last_step, None
-        if last is None:
+        if last is None or not last[2]:
             return
-        sample = now - last[0] - last[1]
+        sample = (now - last[0] - last[1]) / last[2]
         if 0.0 <= sample <= _OVERHEAD_MAX_S:
             self.step_overhead_s += _OVERHEAD_EWMA * (sample - self.step_overhead_s)
 

@@ -48,11 +48,11 @@ def hf_greedy(path, prompt: list[int], max_new: int) -> list[int]:
 
 
 def _engine(paths: dict, num_slots: int, kv_bytes: int = 16 * MiB, slab_bytes: int = 256 * 1024,
-            host_kv_bytes: int = 16 * MiB, policy: str = "token") -> Engine:
+            host_kv_bytes: int = 16 * MiB, policy: str = "token", **scheduler) -> Engine:
     slot = max(WeightLayout.from_dir(p).total_bytes for p in paths.values())
     config = EngineConfig(budget_bytes=kv_bytes + num_slots * (slot + 4096), kv_bytes=kv_bytes,
                           num_slots=num_slots, slab_bytes=slab_bytes, host_kv_bytes=host_kv_bytes,
-                          policy=policy)
+                          policy=policy, scheduler=scheduler)
     engine = Engine(config)
     for name, path in paths.items():
         engine.register_model(name, path)
@@ -84,6 +84,29 @@ def _greedy_requests(models: list[str], seed: int, max_new: int = MAX_NEW) -> li
         model = models[i % len(models)]
         reqs.append(GenerateRequest(f"r{i}", model, tuple(prompt), params))
     return reqs
+
+
+@pytest.mark.parametrize("policy", ["token", "request"])
+def test_multi_step_runs_give_the_same_tokens_as_one_step_at_a_time(zoo_model, policy):
+    """Runs of up to 8 decode steps per schedule call (the default) against max_decode_steps=1:
+    the same tokens, texts, finish reasons and step count, in fewer schedule calls."""
+    paths = {m: zoo_model(m) for m in ARCH_MODELS}
+    results = {}
+    for most in (1, 8):
+        engine = _engine(paths, num_slots=2, policy=policy, max_decode_steps=most)
+        calls = [0]
+        schedule = engine.policy.schedule
+
+        def counted(now, schedule=schedule):
+            calls[0] += 1
+            return schedule(now)
+
+        engine.policy.schedule = counted
+        reqs = _greedy_requests(ARCH_MODELS, seed=5, max_new=40)[:18]
+        results[most] = (_run(engine, reqs), engine.num_steps, calls[0])
+    (one, one_steps, one_calls), (multi, multi_steps, multi_calls) = results[1], results[8]
+    assert multi == one
+    assert multi_steps == one_steps and multi_calls < one_calls
 
 
 @pytest.mark.parametrize("model", ARCH_MODELS)

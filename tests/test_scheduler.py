@@ -60,21 +60,26 @@ class FakeEngine:
             for h, d in zip(host, dev, strict=True):
                 self.device[(shape, d)] = list(self.host[(shape, h)])
         shape = shape_of[out.model]
-        for r in out.requests:
-            ids = r.all_token_ids
-            assert len(r.block_ids) * 16 >= r.num_tokens
-            for p in range(r.num_computed_tokens):  # the KV this step attends to is intact
-                assert self.device[(shape, r.block_ids[p // 16])][p % 16] == (r.request_id, ids[p]), r
-            for p in range(r.num_computed_tokens, r.num_tokens):
-                self.device.setdefault((shape, r.block_ids[p // 16]), [None] * 16)[p % 16] = (r.request_id, ids[p])
         switch = self.switch_s if out.model != self.loaded else 0.0
         self.loaded = out.model
-        step_s = self.step_s(out) if callable(self.step_s) else self.step_s
-        self.now += step_s + switch
-        sampled = {r.request_id: sample(r) for r in out.requests}
-        finished = self.policy.update(out, sampled, self.now, step_s, switch)
+        assert out.num_steps == 1 or not out.is_prefill
+        for i in range(out.num_steps):   # a multi-step run, as the engine runs it: until a request ends
+            live = [r for r in out.requests if self.policy.requests.get(r.request_id) is r]
+            for r in live:
+                ids = r.all_token_ids
+                assert len(r.block_ids) * 16 >= r.num_tokens
+                for p in range(r.num_computed_tokens):  # the KV this step attends to is intact
+                    assert self.device[(shape, r.block_ids[p // 16])][p % 16] == (r.request_id, ids[p]), r
+                for p in range(r.num_computed_tokens, r.num_tokens):
+                    self.device.setdefault((shape, r.block_ids[p // 16]), [None] * 16)[p % 16] = (r.request_id, ids[p])
+            step_s = self.step_s(out) if callable(self.step_s) else self.step_s
+            self.now += step_s + (switch if i == 0 else 0.0)
+            sampled = {r.request_id: sample(r) for r in live}
+            finished = self.policy.update(out, sampled, self.now, step_s, switch if i == 0 else 0.0)
+            self._check_invariants()
+            if finished:
+                break
         self.policy.set_resident(self.resident if self.resident is not None else {out.model})
-        self._check_invariants()
         return out, finished
 
     def _model_of(self, rid, out):
@@ -299,12 +304,12 @@ def test_all_resident_turns_are_short_and_prefetch_names_next_model():
         policy.add_request(req(f"{m}0", m, prompt=3, max_tokens=50))
     engine = FakeEngine(policy, step_s=0.01, resident={"a", "b"})
     decode = [out for out in (engine.step()[0] for _ in range(30)) if not out.is_prefill]
-    runs = []
+    runs = []   # [model, decode steps] per turn (an output may be a multi-step run)
     for out in decode:
         if runs and runs[-1][0] == out.model:
-            runs[-1][1] += 1
+            runs[-1][1] += out.num_steps
         else:
-            runs.append([out.model, 1])
+            runs.append([out.model, out.num_steps])
     assert all(n == 3 for _, n in runs[1:-1])
     for out in decode:  # while one model decodes, the other is announced for prefetch
         assert out.prefetch_model == ({"a", "b"} - {out.model}).pop()
@@ -314,9 +319,10 @@ def test_single_model_runs_until_another_arrives():
     policy = make_policy(estimator=_estimator({"a": 0.01, "b": 0.01}))
     policy.add_request(req("a0", "a", prompt=3, max_tokens=300))
     engine = FakeEngine(policy)
-    for _ in range(100):
+    for _ in range(20):   # a batch alone runs max_decode_steps steps per schedule call
         out, _ = engine.step()
         assert out.model == "a" and out.prefetch_model is None
+        assert out.is_prefill or out.num_steps == policy.config.max_decode_steps
     policy.add_request(req("b0", "b", prompt=3, max_tokens=5, t=engine.now))
     out, _ = engine.step()
     assert out.model == "b" and out.is_prefill  # the lone turn ends at once; prefill goes first
@@ -480,3 +486,42 @@ def test_cheap_switches_cap_quotas_at_a_multiple_of_the_switch_cost():
     # expensive switches (a 7B model on a GPU): K * c0 > Q_max, the rule is Aegaeon's unchanged
     gpu = decode_quotas([0.1] * 3, [0.02] * 3, 2.4, quota_max_s=4.0, switch_factor=8.0)
     assert gpu == decode_quotas([0.1] * 3, [0.02] * 3, 2.4, quota_max_s=4.0)
+
+
+# -- multi-step decode -------------------------------------------------------------------
+
+
+def _decode_output(policy, engine):
+    """The decode output after the prefill (scheduled, not run: run `engine` on to apply it)."""
+    out, _ = engine.step()
+    assert out.is_prefill
+    return policy.schedule(engine.now)
+
+
+def test_multi_step_run_is_capped_by_tokens_left_stop_strings_and_config():
+    for config, params, expected in [(SchedulerConfig(), {}, 8), (SchedulerConfig(max_decode_steps=1), {}, 1),
+                                     (SchedulerConfig(max_decode_steps=5), {}, 5), (SchedulerConfig(), {"stop": "x"}, 1)]:
+        policy = make_policy(config=config, estimator=_estimator({"a": 0.01, "b": 0.01}))
+        policy.add_request(req("a0", "a", prompt=3, max_tokens=300, **params))
+        policy.add_request(req("a1", "a", prompt=20, max_tokens=300))
+        out = _decode_output(policy, FakeEngine(policy))
+        assert out.num_steps == expected, (config, params)
+        for r in out.requests:   # every request holds the blocks of the whole run
+            assert len(r.block_ids) * 16 >= r.num_tokens + out.num_steps - 1
+    policy = make_policy(estimator=_estimator({"a": 0.01, "b": 0.01}))
+    policy.add_request(req("a0", "a", prompt=3, max_tokens=4))   # 3 tokens left after the prefill's
+    assert _decode_output(policy, FakeEngine(policy)).num_steps == 3
+
+
+def test_multi_step_run_shrinks_to_the_room_its_blocks_have_when_the_pool_is_full():
+    policy = make_policy(num_slabs=1, estimator=_estimator({"a": 0.01, "b": 0.01}))
+    per_slab = policy.block_manager.blocks_per_slab(SHAPE_A)
+    # a0 has room for 2 more tokens in its one block; a1 fills the rest of the pool, 4 tokens of room left
+    policy.add_request(req("a0", "a", prompt=14, max_tokens=8))
+    policy.add_request(req("a1", "a", prompt=16 * (per_slab - 1) - 4, max_tokens=20))
+    engine = FakeEngine(policy)
+    out = _decode_output(policy, engine)
+    assert policy.block_manager.allocate(SHAPE_A, 1) is None   # nothing left to look ahead with
+    assert out.num_steps == 2
+    engine.run()   # the runs' blocks were enough (FakeEngine asserts it every step) and all finish
+    assert all_free(policy)
