@@ -5,7 +5,8 @@
 The policy (scheduler/) decides which model runs and which requests advance; the engine
 makes that happen on the device: weights resident in a slot (prefetching the next model
 in the background), KV blocks swapped between the device pool and host swap space, one
-forward of the model runner, sampling, and OutputFrames with detokenised text deltas.
+forward of the model runner, sampling, and OutputFrames of token ids (with their text deltas
+when `detokenize`; else the caller makes the text).
 Everything is made once at start (device memory, KV pool, host swap space); a model
 switch is a bulk copy into a slot, never a re-initialisation.
 """
@@ -59,12 +60,16 @@ class EngineConfig:
     host_kv_bytes: int = 256 * MiB       # host swap space for preempted KV (0 = recompute instead)
     policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
-    timeline_len: int = 4096             # turns kept for stats/plots
+    timeline_len: int = 4096             # steps kept for stats/plots (model, start, end, is_prefill)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, oneDNN-packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
     kernels: str = "reference"
+    # True: frames carry their text, and stop strings end requests here. False: frames carry
+    # token ids only and the caller makes the text (TextAssembler.fill; a DeviceWorker's
+    # ingress does, see actors/output_stream.py), stop strings included.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
@@ -89,7 +94,7 @@ class LoadedModel:
     spec: ModelSpec
     layout: WeightLayout
     runner: ModelRunner
-    tokenizer: object
+    tokenizer: object   # None when the engine does not detokenise
     dtype: torch.dtype
     kv: torch.Tensor   # the KV pool viewed as this model's blocks (the pool never moves)
 
@@ -142,9 +147,11 @@ class Engine:
             raise ValueError(f"model {name!r}: one KV block takes {format_bytes(kv_shape.block_bytes)} but a "
                              f"KV slab holds {format_bytes(self.config.slab_bytes)}; raise slab_bytes")
         self.slots.add_model(name, layout)   # refuses weights larger than a slot, with the numbers
-        from transformers import AutoTokenizer   # heavy import, only where a model is registered
+        tokenizer = None
+        if self.config.detokenize:
+            from transformers import AutoTokenizer   # heavy import, only where a model is registered
 
-        tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
+            tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
         runner = ModelRunner(spec, self.device, self.config.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
         self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype,
                                         self.kv_pool.view(kv_shape, dtype))
@@ -205,7 +212,7 @@ class Engine:
                              f"{self.blocks.capacity_blocks(shape)} for model {req.model!r}")
         request = Request.from_generate_request(req, m.spec.eos_token_ids)
         self.requests[req.request_id] = request
-        self.outputs[req.request_id] = OutputAssembler(m.tokenizer, request, self.device)
+        self.outputs[req.request_id] = OutputAssembler(m.tokenizer, request, self.device, self.config.detokenize)
         return request
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
@@ -444,13 +451,15 @@ class Engine:
         self.num_steps += steps
         self.forward_seconds += run_s
         self.step_seconds += end - start
+        step_s = (end - start) / steps
         if not output.is_prefill:   # what a queued request waits per step: the router's step time
-            step_s = (end - start) / steps
             self.decode_step_s = _ema(self.decode_step_s, step_s)
             self.decode_step_s_by_model[output.model] = _ema(self.decode_step_s_by_model.get(output.model, 0.0),
                                                              step_s)
-        now = self.clock()
-        self.timeline.append((output.model, now - (end - start), now, output.is_prefill))
+        now = self.clock()   # a multi-step run's steps share its time equally in the timeline
+        first = now - (end - start)
+        for i in range(1, steps + 1):
+            self.timeline.append((output.model, first + (i - 1) * step_s, first + i * step_s, output.is_prefill))
 
     def stats(self) -> EngineStats:
         queue_depth: dict[str, int] = {}

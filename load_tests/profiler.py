@@ -78,7 +78,8 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
     torch.set_num_threads(threads)
     try:
         engine = Engine(EngineConfig(budget_bytes=kv_bytes + spec.weight_bytes + 8 * MiB, kv_bytes=kv_bytes,
-                                     num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0))
+                                     num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0,
+                                     detokenize=False))   # as a DeviceWorker runs (text at the ingress)
         engine.register_model("a", model_dir)
         engine.register_model("b", model_dir)
         counter = [0]

@@ -74,8 +74,10 @@ def engine_config(models: dict[str, str], args) -> dict:
     if args.slots >= len(models):
         logger.warning("%d slots hold all %d models: no model ever has to be swapped in",
                        args.slots, len(models))
+    # detokenize=False: the driver reads token ids, as the Serve peer sends them (the ingress
+    # makes text in serving, off the worker)
     config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": args.slots,
-              "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB}
+              "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB, "detokenize": False}
     for key in ("device", "dtype"):   # a GPU run (load_tests/published.py --gpu); CPU by default
         if getattr(args, key, None):
             config[key] = getattr(args, key)

@@ -83,7 +83,8 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     torch.set_num_threads(num_threads)
     try:
         engine = Engine(EngineConfig(device=device, dtype=dtype, budget_bytes=_budget_for(model_path),
-                                     kv_bytes=32 * MiB, num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0))
+                                     kv_bytes=32 * MiB, num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0,
+                                     detokenize=False))   # as a DeviceWorker runs (text at the ingress)
         engine.register_model("a", str(model_path))
         engine.register_model("b", str(model_path))
         n = 0

@@ -123,6 +123,8 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _next_group(self, now: float) -> tuple[str, list[str]] | None:
         """The group to prefill next: (model, request ids), or None."""
+        if not self._reserved and not any(self.waiting.values()):   # most calls: nothing waits
+            return None
         if not self._controlled:
             model = self._oldest_waiting_model()
             if model is None:
@@ -204,13 +206,19 @@ class TokenLevelPolicy(SchedulingPolicy):
         return self._decode_step(model, self._steps_left(turn, now, step))
 
     def _steps_left(self, turn: _Turn, now: float, step: float | None = None) -> int:
-        """Decode steps of `turn` that fit before its deadline (>= 1), at most max_decode_steps;
-        `step`: the predicted step time, when the caller has it."""
+        """Decode steps of `turn` for one multi-step run: the whole number nearest to what its
+        quota has left (>= 1), at most max_decode_steps; `step`: the predicted step time, when
+        the caller has it. Nearest, not floor: a turn may overrun its quota by half a predicted
+        step rather than leave a fraction that costs a schedule call and a run of its own
+        (predictions are noisy by more than that: the fraction was a run in every other turn)."""
         most = self.config.max_decode_steps
-        if math.isinf(turn.deadline) or most == 1:
-            return most
+        if most == 1:
+            return 1
+        if math.isinf(turn.deadline):   # a batch alone: a run, unless other work is waiting already
+            model = turn.model
+            return 1 if any(m != model and (self.waiting[m] or self.running[m]) for m in self.models) else most
         step = self._predict_decode(turn.model) if step is None else step
-        return max(1, min(most, int((turn.deadline + _EPS - now) / step))) if step > 0 else 1
+        return max(1, min(most, round((turn.deadline - now) / step))) if step > 0 else 1
 
     def _joining(self, model: str, now: float) -> list[str]:
         """Waiting requests of the running model that join its turn without a switch: FCFS

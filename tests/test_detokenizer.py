@@ -122,3 +122,34 @@ def test_window_path_and_streaming_decoder_emit_the_same_deltas(tokenizer, text)
     slow_detok, slow = _stream(_SlowTokenizer(tokenizer), prompt, output, sizes)
     assert fast_detok._stream is not None and slow_detok._stream is None
     assert fast == slow and slow_detok.text == text
+
+
+@pytest.mark.parametrize("sizes", [[1] * 64, [5, 3, 7, 64]])
+def test_text_made_from_id_frames_cuts_at_the_first_stop_string_and_drops_the_tokens_after(tokenizer, sizes):
+    """What the ingress does with a worker's frames of token ids (TextAssembler.fill): the
+    text adds up to the decode of the tokens it keeps, which end with the token that completed
+    the first stop string; the frame that holds it finishes with "stop", whatever came after."""
+    from actors.output_stream import TextAssembler
+    from scheduler.messages import OutputFrame
+
+    prompt = tokenizer.encode("Tell me.")
+    output = tokenizer.encode("alpha beta gamma delta epsilon zeta", add_special_tokens=False)
+    text = TextAssembler(tokenizer, prompt, stops=("delta", "zeta"))
+    frames, start = [], 0
+    for n in sizes:
+        if start >= len(output):
+            break
+        ids = output[start:start + n]
+        start += n
+        frame = text.fill(OutputFrame("r", list(ids), "", [float(i) for i in range(len(ids))],
+                                      "length" if start >= len(output) else None))
+        frames.append(frame)
+        if frame.finished:
+            break
+    kept = [t for f in frames for t in f.token_ids]
+    streamed = "".join(f.text for f in frames)
+    assert frames[-1].finish_reason == "stop" and all(not f.finished for f in frames[:-1])
+    decoded = tokenizer.decode(kept, skip_special_tokens=True)
+    assert "delta" in decoded and "delta" not in tokenizer.decode(kept[:-1], skip_special_tokens=True)
+    assert streamed == decoded[:decoded.index("delta")] and "delta" not in streamed
+    assert len(frames[-1].token_times) == len(frames[-1].token_ids)

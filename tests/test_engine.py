@@ -93,7 +93,7 @@ def test_multi_step_runs_give_the_same_tokens_as_one_step_at_a_time(zoo_model, p
     paths = {m: zoo_model(m) for m in ARCH_MODELS}
     results = {}
     for most in (1, 8):
-        engine = _engine(paths, num_slots=2, policy=policy, max_decode_steps=most)
+        engine = _engine(paths, num_slots=3, policy=policy, max_decode_steps=most)   # all resident: 4-step turns
         calls = [0]
         schedule = engine.policy.schedule
 
@@ -106,7 +106,7 @@ def test_multi_step_runs_give_the_same_tokens_as_one_step_at_a_time(zoo_model, p
         results[most] = (_run(engine, reqs), engine.num_steps, calls[0])
     (one, one_steps, one_calls), (multi, multi_steps, multi_calls) = results[1], results[8]
     assert multi == one
-    assert multi_steps == one_steps and multi_calls < one_calls
+    assert multi_steps == one_steps and multi_calls < 0.7 * one_calls
 
 
 @pytest.mark.parametrize("model", ARCH_MODELS)

@@ -62,6 +62,10 @@ class TokenizerCache:
         self._tokenizers: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    def loaded(self, model: str) -> Any | None:
+        """The tokenizer if it is loaded already (never blocks on a load)."""
+        return self._tokenizers.get(model)
+
     def get(self, model: str, path: str) -> Any:
         with self._lock:
             tok = self._tokenizers.get(model)

@@ -152,8 +152,9 @@ class AppArgs(BaseModel):
         budget = self.device_budget_bytes
         slab = 4 * MiB if budget >= 1 * GiB else 1 * MiB
         kv = max(slab, int(budget * self.kv_fraction) // slab * slab)
+        # detokenize=False: the ingress makes the text (deploy/serve_app/cluster_engine.py)
         config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": self.num_slots, "slab_bytes": slab,
-                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy,
+                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy, "detokenize": False,
                   "scheduler": self.scheduler.model_dump(exclude_unset=True)}
         if self.dtype is not None:
             config["dtype"] = self.dtype

@@ -4,7 +4,10 @@ One request: `router.pick(model, slo)` -> `(worker_id, handle)`, then stream
 `handle.generate(req)` (a Ray streaming generator of OutputFrames, several tokens per
 frame, read through actors/frame_stream.py's `stream_frames`), then `router.release` when
 it ends, however it ends. The router sits on one
-call per request; the tokens flow worker -> ingress directly.
+call per request; the tokens flow worker -> ingress directly. Workers send token ids; the
+text is made here (actors/output_stream.py's TextAssembler, one per request, kept across a
+resume), stop strings included: a stop string ends the stream here, the tokens after it are
+dropped and the worker's stream cancelled (it aborts the request).
 
 Failures: a worker that dies is reported to the router (`report_failure`, which drops it
 from routing) and the request goes on on another worker. Before its first token it is
@@ -32,6 +35,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.frame_stream import FrameStream, stream_frames
+from actors.output_stream import TextAssembler
 from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame
 from scheduler.routing import NoWorkerError
@@ -85,6 +89,13 @@ class ClusterEngineClient:
         if info is None:
             raise ValueError(f"unknown model {model!r}; served: {sorted(self._models)}")
         return self._tokenizers.get(model, info.path)
+
+    async def _tokenizer(self, model: str) -> Any:
+        """The model's tokenizer; loaded off the event loop the first time (an unknown model
+        has none: the worker refuses the request with its own message)."""
+        if model not in self._models:
+            return None
+        return self._tokenizers.loaded(model) or await asyncio.to_thread(self.tokenizer, model)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -152,6 +163,7 @@ class ClusterEngineClient:
         return sorted(registered & set(self._models))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        text = TextAssembler(await self._tokenizer(req.model), req.prompt_token_ids, req.sampling_params.stop)
         sent = _Sent([], [], 0)   # what the client has: resumed from here on a worker death
         tried: list[str] = []
         for _ in range(self.max_dispatches):
@@ -179,7 +191,7 @@ class ClusterEngineClient:
             try:
                 async with stream:   # left early (closed or cancelled): the stream stops the worker's work
                     async for frame in stream:
-                        sent.add(frame)
+                        sent.add(text.fill(frame))
                         yield frame
                         if frame.finished:
                             return

@@ -113,9 +113,10 @@ def engine_for(paths: dict[str, Path], *, num_slots: int, tokens_per_model: int,
             raise ValueError(f"{path}: a KV block ({shape.block_bytes} bytes) exceeds a slab ({SLAB_BYTES})")
         blocks = math.ceil(tokens_per_model / BLOCK_SIZE) + 16   # + per-request rounding up
         kv_bytes += (math.ceil(blocks / per_slab) + 1) * SLAB_BYTES
+    # detokenize=False: a DeviceWorker's engine under the ingress (the ingress makes the text)
     config = EngineConfig(device=str(device), budget_bytes=kv_bytes + num_slots * (slot_bytes + 4096),
                           kv_bytes=kv_bytes, num_slots=num_slots, slab_bytes=SLAB_BYTES, host_kv_bytes=0,
-                          policy=policy, dtype=dtype, kernels=kernels)
+                          policy=policy, dtype=dtype, kernels=kernels, detokenize=False)
     engine = Engine(config, host_cache=host_cache)
     for name, path in paths.items():
         engine.register_model(name, path)
