@@ -74,7 +74,7 @@ class SchedulerConfig:
                              f"got {self.quota_switch_factor!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     model: str  # the model this step runs
     requests: list[Request]  # each advances num_computed_tokens -> num_tokens
@@ -251,17 +251,19 @@ class SchedulingPolicy(ABC):
         swap-in that brought them took, hidden by a prefetch or not (None: no swap since the
         model last ran). observe: teach the estimator these times now (see `observe`; a
         multi-step run teaches it once, after its last step)."""
-        live = [r for r in output.requests if self.requests.get(r.request_id) is r]
+        requests = self.requests
+        live = [r for r in output.requests if requests.get(r.request_id) is r]
         missing = [r.request_id for r in live if r.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for requests {missing} of the step")
         if observe:
             self.observe(output, step_time_s, switch_time_s, copy_time_s)
         finished = []
-        for request in live:
-            request.num_computed_tokens = request.num_tokens
+        for request in live:   # the fields written out: this runs every step, on cold caches
+            output_ids = request.output_token_ids
+            request.num_computed_tokens = len(request.prompt_token_ids) + len(output_ids)
             token = int(sampled[request.request_id])
-            request.output_token_ids.append(token)
+            output_ids.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -333,29 +335,36 @@ class SchedulingPolicy(ABC):
         the fewest tokens any request has left, 1 when one has stop strings; each request gets
         the blocks for the run now, without preempting (a request no free block can grow
         shortens the run to the room it has)."""
+        # written out (no properties, no helper calls): this runs once per run of every turn
         steps = max_steps
+        held = []   # (request, tokens it holds now)
         for r in output.requests:
-            if r.sampling_params.stop:
+            params = r.sampling_params
+            if params.stop:
                 return 1
-            steps = min(steps, r.max_num_tokens - r.num_tokens)
+            n = len(r.output_token_ids)
+            steps = min(steps, params.max_tokens - n)   # tokens it has left
+            held.append((r, len(r.prompt_token_ids) + n))
         if steps <= 1:
             return 1
-        shape = self.models[output.model].kv_shape
-        for r in output.requests:
-            need = blocks_for_tokens(r.num_tokens + steps - 1) - len(r.block_ids)
-            if need <= 0:
+        shape = None
+        for r, num_tokens in held:
+            room = len(r.block_ids) * BLOCK_SIZE - num_tokens + 1   # steps its blocks hold (>= 1)
+            if room >= steps:
                 continue
-            ids = self.block_manager.allocate(shape, need)
-            if ids is None:   # the room its blocks have (>= 1: the first step's block is there)
-                steps = min(steps, len(r.block_ids) * BLOCK_SIZE - r.num_tokens + 1)
+            shape = shape or self.models[output.model].kv_shape
+            ids = self.block_manager.allocate(shape, blocks_for_tokens(num_tokens + steps - 1) - len(r.block_ids))
+            if ids is None:   # no free block: the run shrinks to the room it has
+                steps = room
             else:
                 r.block_ids = r.block_ids + ids
-        return max(1, steps)
+        return steps
 
     def _decode_batch(self, model: str) -> SchedulerOutput | None:
         batch = self.running[model][: self.config.max_batch_size]
         # most decode steps: every request RUNNING with room for its next token in its last block
-        if all(r.status is RequestStatus.RUNNING and blocks_for_tokens(r.num_tokens) <= len(r.block_ids)
+        running = RequestStatus.RUNNING
+        if all(r.status is running and len(r.prompt_token_ids) + len(r.output_token_ids) <= len(r.block_ids) * BLOCK_SIZE
                for r in batch):
             return SchedulerOutput(model, batch, False) if batch else None
         shape = self.models[model].kv_shape

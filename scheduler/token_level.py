@@ -51,6 +51,7 @@ _OVERHEAD_MAX_S = 0.05  # a longer gap between steps is a pause (GC, commands), 
 class _Turn:
     model: str
     deadline: float  # time after which no further step of this turn starts (inf: runs alone)
+    last_run: bool = False  # its latest run was sized to take what the quota had left
 
 
 class TokenLevelPolicy(SchedulingPolicy):
@@ -68,6 +69,8 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._prefill_rate = math.inf
         self._last_step: tuple[float, float, int] | None = None  # (schedule time, forward + switch s, steps)
         self.step_overhead_s = 0.0  # EWMA of a step's wall time outside the forward and switch
+        self._planned_steps = 1  # steps the latest output allowed
+        self._ran_all = False  # the previous output ran all of them
         self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
         self.last_alpha_all: float | None = None  # alpha had every batch been served (overload signal)
         self.held: tuple[str, ...] = ()  # models held out of the latest round
@@ -80,7 +83,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         return dict(self._quotas)
 
     def _choose(self, now: float) -> SchedulerOutput | None:
-        self._observe_overhead(now)
+        self._ran_all = self._observe_overhead(now)
         output = (
             self._continue_group()
             or self._continue_turn(now)
@@ -91,6 +94,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             self._last_model = output.model
             output.prefetch_model = self._expected_next(output.model)
             self._last_step = (now, 0.0, 0)
+            self._planned_steps = output.num_steps
         return output
 
     def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None, observe=True):
@@ -191,6 +195,8 @@ class TokenLevelPolicy(SchedulingPolicy):
             over = True
         elif math.isinf(turn.deadline):
             over = self._others_busy(model, now)
+        elif turn.last_run and self._ran_all:   # its run took what its quota had left
+            over = True
         else:
             step = self._predict_decode(model)
             over = now + step > turn.deadline + _EPS
@@ -203,22 +209,28 @@ class TokenLevelPolicy(SchedulingPolicy):
                 output = self._prefill_step(model, [self.requests[rid] for rid in joining])
                 if output is not None:
                     return output
-        return self._decode_step(model, self._steps_left(turn, now, step))
+        return self._turn_run(turn, now, step)
 
-    def _steps_left(self, turn: _Turn, now: float, step: float | None = None) -> int:
-        """Decode steps of `turn` for one multi-step run: the whole number nearest to what its
-        quota has left (>= 1), at most max_decode_steps; `step`: the predicted step time, when
-        the caller has it. Nearest, not floor: a turn may overrun its quota by half a predicted
-        step rather than leave a fraction that costs a schedule call and a run of its own
-        (predictions are noisy by more than that: the fraction was a run in every other turn)."""
+    def _turn_run(self, turn: _Turn, now: float, step: float | None = None) -> SchedulerOutput | None:
+        """The next multi-step run of `turn`'s batch. Its steps: the whole number nearest to
+        what the quota has left (>= 1), at most max_decode_steps; `step`: the predicted step
+        time, when the caller has it. Nearest, not floor: a turn may overrun its quota by half
+        a predicted step rather than leave a fraction that costs a schedule call and a run of
+        its own (predictions are noisy by more than that: the fraction was a run in every
+        other turn). A run that takes all the quota has left ends the turn when it ran whole
+        (a request that finished early ends it sooner, and the turn goes on if time is left)."""
         most = self.config.max_decode_steps
         if most == 1:
-            return 1
+            return self._decode_step(turn.model)
         if math.isinf(turn.deadline):   # a batch alone: a run, unless other work is waiting already
             model = turn.model
-            return 1 if any(m != model and (self.waiting[m] or self.running[m]) for m in self.models) else most
+            busy = any(m != model and (self.waiting[m] or self.running[m]) for m in self.models)
+            return self._decode_step(model, 1 if busy else most)
         step = self._predict_decode(turn.model) if step is None else step
-        return max(1, min(most, round((turn.deadline - now) / step))) if step > 0 else 1
+        steps = max(1, round((turn.deadline - now) / step)) if step > 0 else 1
+        output = self._decode_step(turn.model, min(most, steps))
+        turn.last_run = output is not None and output.num_steps == steps
+        return output
 
     def _joining(self, model: str, now: float) -> list[str]:
         """Waiting requests of the running model that join its turn without a switch: FCFS
@@ -246,7 +258,7 @@ class TokenLevelPolicy(SchedulingPolicy):
                 # the quota counts decode time only: a switch paid first extends the turn
                 switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
                 turn = _Turn(model, now + switch + self._quotas[model])
-                output = self._decode_step(model, self._steps_left(turn, now + switch))
+                output = self._turn_run(turn, now + switch)
                 if output is not None:
                     self._turn = turn
                     return output
@@ -329,16 +341,17 @@ class TokenLevelPolicy(SchedulingPolicy):
         step = self.estimator.predict_decode(model, max(len(batch), 1), sum(r.num_tokens for r in batch))
         return step + self.step_overhead_s
 
-    def _observe_overhead(self, now: float) -> None:
+    def _observe_overhead(self, now: float) -> bool:
         """A step's wall time (this schedule call - the last one) minus its forward and switch:
         scheduling, sampling, emitting and the worker's own work between steps (a multi-step
-        run's, shared by its steps)."""
+        run's, shared by its steps). True when the last output ran all its steps."""
         last, self._last_step = self._last_step, None
         if last is None or not last[2]:
-            return
+            return False
         sample = (now - last[0] - last[1]) / last[2]
         if 0.0 <= sample <= _OVERHEAD_MAX_S:
             self.step_overhead_s += _OVERHEAD_EWMA * (sample - self.step_overhead_s)
+        return last[2] >= self._planned_steps
 
     # -- prefetch ------------------------------------------------------------------------
 

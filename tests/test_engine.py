@@ -89,7 +89,8 @@ def _greedy_requests(models: list[str], seed: int, max_new: int = MAX_NEW) -> li
 @pytest.mark.parametrize("policy", ["token", "request"])
 def test_multi_step_runs_give_the_same_tokens_as_one_step_at_a_time(zoo_model, policy):
     """Runs of up to 8 decode steps per schedule call (the default) against max_decode_steps=1:
-    the same tokens, texts, finish reasons and step count, in fewer schedule calls."""
+    the same tokens, texts and finish reasons, in far fewer schedule calls (turns and prefills
+    may fall on other steps: a run is planned at its start)."""
     paths = {m: zoo_model(m) for m in ARCH_MODELS}
     results = {}
     for most in (1, 8):
@@ -106,7 +107,7 @@ def test_multi_step_runs_give_the_same_tokens_as_one_step_at_a_time(zoo_model, p
         results[most] = (_run(engine, reqs), engine.num_steps, calls[0])
     (one, one_steps, one_calls), (multi, multi_steps, multi_calls) = results[1], results[8]
     assert multi == one
-    assert multi_steps == one_steps and multi_calls < 0.7 * one_calls
+    assert multi_calls < 0.7 * one_calls and abs(multi_steps - one_steps) <= 0.1 * one_steps
 
 
 @pytest.mark.parametrize("model", ARCH_MODELS)
