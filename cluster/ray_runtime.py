@@ -34,7 +34,12 @@ DEFAULT_OBJECT_STORE_BYTES = 512 * 1024**2
 DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 # Set before a local start unless the user set it: at "0" Ray takes 127.0.0.1 as the node's
 # address (on Linux too), and every server it starts binds there, not on all interfaces.
-LOCAL_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# RAY_worker_niceness: Ray starts its worker processes (every actor: DeviceWorkers, the
+# router, the Serve proxy and ingress) at nice 15, so on a shared host any other process
+# took their CPU first: the chaos bench's own load generator (nice 0, one process at 10x
+# capacity) got 80-90% of a core while the server's processes waited, and accepted requests
+# waited 7-11x their TTFT SLO. A server runs at the priority it was started with.
+LOCAL_START_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0"}
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 NAMESPACE = "tokenmux"
 

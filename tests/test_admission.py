@@ -86,7 +86,7 @@ def test_a_first_burst_waits_only_up_to_the_cold_bound_until_its_start_rate_is_m
 
 def test_an_idle_gap_is_not_taken_for_a_slow_server():
     clock = Clock()
-    admission = Admission(AdmissionConfig(max_waiting=1000), clock=clock)
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0), clock=clock)
     for _ in range(3):                                   # bursts of 6, each drained at 10 / s, then idle
         burst = [admission.admit(MODEL, 0.5) for _ in range(6)]
         for t in burst:
@@ -197,3 +197,41 @@ def test_in_cluster_callers_get_the_429_as_an_error_chunk():
     assert served[-1]["usage"]["completion_tokens"] == 2
     [error] = refused
     assert error["status"] == 429 and error["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_request_admission_refuses_is_refused_before_it_is_tokenised():
+    """Under overload most requests are refused: each refusal must cost the edge no tokenising
+    (the ingress asks admission first, then tokenises, then takes the place)."""
+    engine = make_engine(frame_interval_s=2.0)
+    tokenized = []
+    tokenizer = engine.tokenizer(MODEL)
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, *args, **kwargs):
+            tokenized.append(args)
+            return tokenizer(*args, **kwargs)
+
+        def encode(self, *args, **kwargs):
+            tokenized.append(args)
+            return tokenizer.encode(*args, **kwargs)
+
+    engine.tokenizer = lambda model: Counting()
+    ingress = OpenAIIngress(engine, IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16,
+                                                  admission=AdmissionConfig(max_waiting=1, ttft_slo_multiple=0)))
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+
+    async def run() -> None:
+        _, first = await ingress.prepare("completions", json.dumps(body))
+        ticket = ingress.admit(first)                 # the model's one waiting place is taken
+        assert len(tokenized) == 1
+        with pytest.raises(OpenAIError) as info:
+            await ingress.prepare("completions", json.dumps(body))
+        assert info.value.status == 429 and len(tokenized) == 1   # refused, never tokenised
+        ticket.release()
+        await ingress.prepare("completions", json.dumps(body))   # room again: tokenised as before
+        assert len(tokenized) == 2
+
+    asyncio.run(run())

@@ -34,7 +34,7 @@ from deploy.openai_api.openapi import add_request_schemas, error_responses, gene
 from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
-from deploy.openai_api.request_builder import build_generate_request
+from deploy.openai_api.request_builder import build_generate_request, request_slo
 from scheduler.messages import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class OpenAIIngress:
         except ValidationError as e:
             raise from_validation_error(e) from None
         request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
+        # A request admission would refuse now is refused before it costs any tokenising
+        # (admit, after it, decides again and takes the place).
+        self.admission.check(parsed.model, request_slo(parsed, self.config).ttft_s)
         # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
         gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
         return parsed, gen_req

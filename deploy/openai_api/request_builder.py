@@ -132,7 +132,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         raise invalid(str(e), param=str(e).split(" ", 1)[0]) from e
 
 
-def _slo(req: CompletionRequest | ChatCompletionRequest, config: IngressConfig) -> SLO:
+def request_slo(req: CompletionRequest | ChatCompletionRequest, config: IngressConfig) -> SLO:
     try:
         return SLO(ttft_s=config.default_slo.ttft_s if req.ttft_slo_s is None else req.ttft_slo_s,
                    tbt_s=config.default_slo.tbt_s if req.tbt_slo_s is None else req.tbt_slo_s)
@@ -157,7 +157,7 @@ def build_generate_request(engine: EngineClient, config: IngressConfig, request_
     try:
         return GenerateRequest(request_id=request_id, model=info.name, prompt_token_ids=tuple(prompt_ids),
                                sampling_params=_sampling_params(req, max_tokens, config),
-                               slo=_slo(req, config), arrival_time=time.time())
+                               slo=request_slo(req, config), arrival_time=time.time())
     except ValueError as e:
         raise invalid(str(e)) from e
 

@@ -91,7 +91,7 @@ class AppArgs(BaseModel):
                                                      "give a key")
     max_waiting_per_model: int = Field(256, ge=1, description="per ingress replica: requests waiting for their "
                                                                "first token; more get a 429")
-    ttft_slo_multiple: float = Field(2.0, ge=0, allow_inf_nan=False,
+    ttft_slo_multiple: float = Field(1.0, ge=0, allow_inf_nan=False,
                                      description="429 when the predicted TTFT exceeds this x the TTFT SLO (0: off)")
     stall_timeout_s: float = Field(DEFAULT_STALL_TIMEOUT_S, gt=0, allow_inf_nan=False,
                                    description="a request with no output for this long fails with an error")
