@@ -147,3 +147,37 @@ def test_catalogue_names_survive_ray_export():
         MetricsExporter()._tags("tokenmux_swaps_total", {"model": "m"})
     with pytest.raises(ValueError, match="unknown metric"):
         prometheus_name("tokenmux_nope")
+
+
+def test_histograms_are_exported_as_prometheus_bucket_series_in_one_call_per_series(monkeypatch):
+    """A flush's values become cumulative `_bucket{le}` totals (with +Inf), an exact `_sum` and
+    `_count`: a few Ray calls per flush whatever the token rate, and every exporter of the
+    process adds to the same running totals."""
+    import ray.util.metrics as ray_metrics
+
+    import actors.metrics as metrics
+
+    calls = []
+
+    class FakeGauge:
+        def __init__(self, name, description="", tag_keys=()):
+            self.name, self.tag_keys = name, tuple(tag_keys)
+
+        def set(self, value, tags=None):
+            assert set(tags) == set(self.tag_keys)
+            calls.append((self.name, value, dict(tags)))
+
+    monkeypatch.setattr(ray_metrics, "Gauge", FakeGauge)
+    monkeypatch.setattr(metrics, "_histograms", {})
+    name = "tokenmux_inter_token_latency_seconds"
+    bounds = CATALOG[name].buckets
+    values = [0.0005, 0.001, 0.003, 0.003, 0.02, 99.0] * 500   # 0.001 is in the le="0.001" bucket
+    MetricsExporter().observe_many(name, values, {"model": "m", "worker": "w"})
+    MetricsExporter().observe(name, 0.003, {"model": "m", "worker": "w"})   # another exporter, same totals
+    assert len(calls) == 2 * (len(bounds) + 3)   # per call: every bucket, +Inf, _sum, _count
+    last = {(n, t.get("le")): v for n, v, t in calls}
+    buckets = {le: v for (n, le), v in last.items() if n == name + "_bucket"}
+    assert buckets["0.001"] == 1000 and buckets["0.0025"] == 1000 and buckets["0.005"] == 2001
+    assert buckets["0.025"] == 2501 and buckets["10.0"] == 2501 and buckets["+Inf"] == 3001
+    assert last[(name + "_count", None)] == 3001
+    assert last[(name + "_sum", None)] == pytest.approx(500 * (0.0005 + 0.001 + 0.006 + 0.02 + 99.0) + 0.003)
