@@ -17,7 +17,10 @@ out a round for a request whose first token is due. Two guards keep that from tu
 every stream falling behind together (EDF's domino under overload): a decoding batch with
 less than `guard_s` of slack (two rounds) is never passed by a waiting one, and a waiting
 request whose first token is already late goes last (rushing it saves nothing: its TTFT is
-lost; it still runs once there is room).
+lost; it still runs once there is room) -- for a while: once it is late by half its TTFT SLO
+(`aged`) it goes back into deadline order, where it is first. Without that bound a late
+request waited for the whole overload while admission kept letting in requests that were on
+time (the chaos bench's accepted TTFT p99 was 6-12x the SLO).
 
 Prefill takes device time from the round too. A round of decode time T0 = c0 + sum q_i gives
 batch i q_i / d_i tokens, so its mean TBT is alpha * TBT_i; prefill time P spent inside the
@@ -52,6 +55,7 @@ class BatchLoad:
     switch_s: float  # swap-in time if this round has to switch it in
     slack_s: float  # until its most urgent request's next token is due (may be negative)
     waiting: bool = False  # requests not prefilled yet: the batch would start this round
+    aged: bool = False  # waiting, and late long enough to go back into deadline order
 
     def __post_init__(self) -> None:
         if not self.tbt_slo_s > 0 or not self.step_s > 0:
@@ -115,9 +119,10 @@ def priority(batch: BatchLoad, guard_s: float = 0.0) -> float:
     """Sort key of a batch, smallest first: least slack first, with two exceptions.
     A decoding batch with less than `guard_s` of slack is never passed by a waiting one
     (it could not sit out a round without falling behind its TBT); a waiting batch whose
-    first token is already late goes last (rushing it saves no request: its TTFT is lost)."""
+    first token is already late goes last (rushing it saves no request: its TTFT is lost),
+    until it is `aged` (then its deadline, the earliest, puts it first)."""
     if batch.waiting:
-        return batch.slack_s if batch.slack_s >= 0 else math.inf
+        return batch.slack_s if batch.slack_s >= 0 or batch.aged else math.inf
     return -math.inf if batch.slack_s < guard_s else batch.slack_s
 
 

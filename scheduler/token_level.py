@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-9  # seconds: float noise must not cost a turn its last step
 _OVERHEAD_EWMA = 0.05  # weight of each new per-step overhead sample
 _OVERHEAD_MAX_S = 0.05  # a longer gap between steps is a pause (GC, commands), not overhead
+LATE_AGE = 0.5  # a late waiting request goes last until it is late by this x its TTFT SLO (overload.py)
 
 
 @dataclass
@@ -140,9 +141,9 @@ class TokenLevelPolicy(SchedulingPolicy):
             ids = [rid for rid in self._reserved.pop(model) if rid in queued]
             if ids:
                 return model, ids
-        # by TTFT deadline, those already late last (see overload.priority)
+        # by TTFT deadline, those already late last until they are aged (see overload.priority)
         heads = sorted((q[0] for q in self.waiting.values() if q),
-                       key=lambda r: (self._slack(r, now) < 0, self._ttft_key(r)))
+                       key=lambda r: (self._goes_last(r, now), self._ttft_key(r)))
         for head in heads:
             members = self._admissible(head.model, now)
             if members:
@@ -285,7 +286,8 @@ class TokenLevelPolicy(SchedulingPolicy):
             # token is due
             groups = {m: list(self.waiting[m])[: self.config.max_prefill_group]
                       for m in names if self.waiting[m] and m not in models}
-            prospective = [replace(self._load(m, now, extra=g), waiting=True) for m, g in groups.items()]
+            prospective = [replace(self._load(m, now, extra=g), waiting=True,
+                                   aged=any(self._aged(r, now) for r in g)) for m, g in groups.items()]
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
             guard = 2 * everyone.decode_s
             plan: RoundPlan = select_round(loads + prospective, self._rule(), self.config.admit_alpha, guard)
@@ -323,6 +325,16 @@ class TokenLevelPolicy(SchedulingPolicy):
         step = self.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
         return BatchLoad(model, min(r.slo.tbt_s for r in batch), step + self.step_overhead_s,
                          self.estimator.predict_switch(model), min(self._slack(r, now) for r in batch))
+
+    def _goes_last(self, request: Request, now: float) -> bool:
+        """A waiting request already late, not yet aged: it yields to those still on time."""
+        return self._slack(request, now) < 0 and not self._aged(request, now)
+
+    @staticmethod
+    def _aged(request: Request, now: float) -> bool:
+        """Waiting and late by LATE_AGE x its TTFT SLO: back in deadline order (first)."""
+        return request.first_token_time is None and \
+            now - request.arrival_time > (1.0 + LATE_AGE) * request.slo.ttft_s
 
     @staticmethod
     def _slack(request: Request, now: float) -> float:
