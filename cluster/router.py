@@ -109,10 +109,12 @@ class GlobalRouter:
         except NoWorkerError:
             self._metrics.no_worker(model)
             raise
-        self._tracker.dispatched(worker_id, model, time.monotonic())
+        handle = self._workers[worker_id].handle
         self._metrics.dispatched(model, worker_id)
         self._maybe_scale_out(model, views)
-        return worker_id, self._workers[worker_id].handle
+        # counted last: nothing after it can raise, so a count is never left without a caller to release it
+        self._tracker.dispatched(worker_id, model, time.monotonic())
+        return worker_id, handle
 
     async def pick_decode(self, model: str, slo: SLO | None = None) -> DecodeTarget:
         """Decode worker to hand a prefilled request's KV to (the KV handoff target)."""
