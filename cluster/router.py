@@ -62,6 +62,7 @@ class GlobalRouter:
         self._hot_trigger_interval_s = hot_trigger_interval_s
         self._workers: dict[str, _Worker] = {}
         self._tracker = LoadTracker()
+        self._picked: dict[str, tuple[str, str]] = {}   # request id -> (worker, model) it is counted on
         self._plan: PlacementPlan | None = None
         self._placement = None              # PlacementService handle, told when a model runs hot
         self._last_hot_trigger: dict[str, float] = {}
@@ -95,8 +96,13 @@ class GlobalRouter:
 
     # ---- routing ---------------------------------------------------------------------
 
-    async def pick(self, model: str, slo: SLO | None = None) -> tuple[str, Any]:
-        """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError."""
+    async def pick(self, model: str, slo: SLO | None = None, request_id: str | None = None) -> tuple[str, Any]:
+        """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError.
+
+        With `request_id` the count is the request's: a second pick for it (the caller retried a
+        call that had run here but whose answer was lost, as ActorUnavailableError allows around
+        a restart) moves its one count instead of adding one, and `release` with the same id
+        drops it once. Without, every pick counts until a release."""
         self._ensure_poller()
         if not any(w.stats for w in self._workers.values()):   # just (re)started: workers are coming back
             try:
@@ -113,6 +119,11 @@ class GlobalRouter:
         self._metrics.dispatched(model, worker_id)
         self._maybe_scale_out(model, views)
         # counted last: nothing after it can raise, so a count is never left without a caller to release it
+        if request_id is not None:
+            previous = self._picked.pop(request_id, None)
+            if previous is not None:
+                self._tracker.released(*previous)
+            self._picked[request_id] = (worker_id, model)
         self._tracker.dispatched(worker_id, model, time.monotonic())
         return worker_id, handle
 
@@ -122,7 +133,16 @@ class GlobalRouter:
         entry = self._workers[worker_id]
         return DecodeTarget(worker_id, entry.node_id, entry.handle)
 
-    async def release(self, worker_id: str, model: str) -> None:
+    async def inflight_requests(self) -> dict[str, tuple[str, str]]:
+        """Request id -> (worker, model) of the requests picked by id and not released yet."""
+        return dict(self._picked)
+
+    async def release(self, worker_id: str, model: str, request_id: str | None = None) -> None:
+        if request_id is not None:
+            counted = self._picked.pop(request_id, None)
+            if counted is None:   # released already, or its worker was forgotten: nothing to drop
+                return
+            worker_id, model = counted
         if not self._tracker.released(worker_id, model):
             logger.debug("router: release of %s on %s with nothing in flight", model, worker_id)
 
@@ -191,6 +211,7 @@ class GlobalRouter:
         if entry is None:
             return False
         lost = self._tracker.forget_worker(worker_id)
+        self._picked = {rid: c for rid, c in self._picked.items() if c[0] != worker_id}
         logger.warning("router: worker %s %s (in flight there: %s)", worker_id, why, lost or "none")
         self._ask_replan()   # its models may now have no worker left
         return True

@@ -98,6 +98,21 @@ def test_pick_prefers_resident_worker_and_release_clears_pending(cluster):
     assert ray.get(router.status.remote()).pending == {}
 
 
+def test_a_pick_repeated_for_the_same_request_is_counted_once(cluster):
+    """A caller that retries a pick whose answer it lost (ActorUnavailableError around a router
+    restart) must not leave a count nobody releases: counted by request id, released once."""
+    ray, router, _ = cluster
+    for _ in range(3):
+        wid, _ = ray.get(router.pick.remote("a", None, "req-1"))
+    ray.get(router.pick.remote("a", None, "req-2"))
+    assert ray.get(router.status.remote()).pending == {"a": 2}
+    ray.get(router.release.remote(wid, "a", "req-1"))
+    ray.get(router.release.remote(wid, "a", "req-1"))   # a second release drops nothing
+    assert ray.get(router.status.remote()).pending == {"a": 1}
+    ray.get(router.release.remote(wid, "a", "req-2"))
+    assert ray.get(router.status.remote()).pending == {}
+
+
 def test_unknown_model_raises_no_worker_error_naming_servable_models(cluster):
     ray, router, _ = cluster
     with pytest.raises(NoWorkerError, match="a, b, c"):

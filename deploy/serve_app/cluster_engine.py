@@ -120,7 +120,7 @@ class ClusterEngineClient:
                     raise
             await asyncio.sleep(ROUTER_RETRY_S)
 
-    async def _pick(self, model: str, slo: SLO, after_failure: bool = False) -> tuple[str, Any]:
+    async def _pick(self, model: str, slo: SLO, request_id: str, after_failure: bool = False) -> tuple[str, Any]:
         """A worker for the request. After a worker or the router died the model may have no
         worker for a moment (placement moving it, the router's table being rebuilt): asked
         again until `router_recovery_s` passes."""
@@ -128,27 +128,28 @@ class ClusterEngineClient:
         deadline = loop.time() + self.router_recovery_s
         while True:
             try:
-                return await self._pick_once(model, slo)
+                return await self._pick_once(model, slo, request_id)
             except ray.exceptions.RayTaskError as exc:
                 recovering = after_failure or loop.time() - self._router_lost_at < self.router_recovery_s
                 if not (recovering and isinstance(exc.cause, NoWorkerError) and loop.time() < deadline):
                     raise
             await asyncio.sleep(ROUTER_RETRY_S)
 
-    async def _pick_once(self, model: str, slo: SLO) -> tuple[str, Any]:
-        """One pick; a caller cancelled while the router answers still has its place released
-        (the router counted the request as dispatched)."""
-        pick = asyncio.ensure_future(self._router_call("pick", model, slo))
+    async def _pick_once(self, model: str, slo: SLO, request_id: str) -> tuple[str, Any]:
+        """One pick, counted under the request's id (a pick retried after a lost answer moves
+        its count, see GlobalRouter.pick); a caller cancelled while the router answers still has
+        its place released (the router counted the request as dispatched)."""
+        pick = asyncio.ensure_future(self._router_call("pick", model, slo, request_id))
         try:
             return await asyncio.shield(pick)
         except asyncio.CancelledError:
-            pick.add_done_callback(lambda done: self._release_unused(done, model))
+            pick.add_done_callback(lambda done: self._release_unused(done, model, request_id))
             raise
 
-    def _release_unused(self, pick: asyncio.Future, model: str) -> None:
+    def _release_unused(self, pick: asyncio.Future, model: str, request_id: str) -> None:
         if not pick.cancelled() and pick.exception() is None:
             worker_id, _ = pick.result()
-            self.router.release.remote(worker_id, model)
+            self.router.release.remote(worker_id, model, request_id)
 
     async def servable_models(self, timeout_s: float = 5.0) -> list[str]:
         """The served models some live worker can take now (for /health); none when the router
@@ -168,7 +169,7 @@ class ClusterEngineClient:
         tried: list[str] = []
         for _ in range(self.max_dispatches):
             try:
-                worker_id, handle = await self._pick(req.model, req.slo, after_failure=bool(tried))
+                worker_id, handle = await self._pick(req.model, req.slo, req.request_id, after_failure=bool(tried))
             except Exception as exc:  # NoWorkerError (a RayTaskError), or the router is gone
                 yield _error(req, f"no worker can serve model {req.model!r}: {_cause(exc)}"
                                   + (f"; {len(sent.token_ids)} tokens were sent" if sent.token_ids else ""))
@@ -178,14 +179,14 @@ class ClusterEngineClient:
                 stream = await self._open(handle, req, sent)
             except _WORKER_GONE:
                 await self._worker_failed(worker_id, req, sent)
-                self.router.release.remote(worker_id, req.model)
+                self.router.release.remote(worker_id, req.model, req.request_id)
                 continue
             except ValueError as exc:   # the worker refused to adopt it (an unknown model, a bad state)
-                self.router.release.remote(worker_id, req.model)
+                self.router.release.remote(worker_id, req.model, req.request_id)
                 yield _error(req, f"worker {worker_id} could not continue the request: {exc}", worker_id)
                 return
             except BaseException:   # cancelled while the worker adopted it: its place is returned
-                self.router.release.remote(worker_id, req.model)
+                self.router.release.remote(worker_id, req.model, req.request_id)
                 raise
             self._streams[req.request_id] = stream
             try:
@@ -207,7 +208,7 @@ class ClusterEngineClient:
             finally:
                 if self._streams.get(req.request_id) is stream:
                     del self._streams[req.request_id]
-                self.router.release.remote(worker_id, req.model)  # fire and forget: never block a finally
+                self.router.release.remote(worker_id, req.model, req.request_id)  # fire and forget: never block a finally
         yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}"
                           + (f"; {len(sent.token_ids)} tokens were sent" if sent.token_ids else ""))
 

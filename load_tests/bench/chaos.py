@@ -278,7 +278,15 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
         if (inflight == 0 and not hung) or time.monotonic() - t0 > settle_s:
             break
         time.sleep(0.2)
-    return {"disconnect_rounds": rounds, "disconnect_streams": rounds * n, "disconnect_hung_workers": len(hung),
+    leftover = {}
+    if inflight:   # which requests the router still counts (picked by id, never released)
+        import ray
+
+        from deploy.cli.app_handles import cluster_handle
+        router = cluster_handle(APP).router.remote().result(timeout_s=60)
+        leftover = ray.get(router.inflight_requests.remote())
+    return {"disconnect_leftover_requests": leftover,
+            "disconnect_rounds": rounds, "disconnect_streams": rounds * n, "disconnect_hung_workers": len(hung),
             "disconnect_inflight_after": inflight, "disconnect_router_pending": dict(status.router.pending),
             "disconnect_router_pending_before": before,
             "disconnect_settle_s": time.monotonic() - t0}
