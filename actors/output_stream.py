@@ -71,13 +71,20 @@ class TextAssembler:
         self.num_sent_chars = max(start, end)
         return delta
 
+    def cut(self, frame: OutputFrame, finished: bool) -> bool:
+        """Give `frame` its text; a stop string in it drops the frame's tokens after the one
+        that completed it. True when one did."""
+        text, kept = self.add(frame.token_ids, finished)
+        frame.text = text
+        if kept is None:
+            return False
+        del frame.token_ids[kept:], frame.token_times[kept:]
+        return True
+
     def fill(self, frame: OutputFrame) -> OutputFrame:
         """Give a frame of token ids (from an engine that does not detokenise) its text; a stop
         string in it cuts its tokens after the one that completed it and finishes it."""
-        text, kept = self.add(frame.token_ids, frame.finished and frame.error is None)
-        frame.text = text
-        if kept is not None:
-            del frame.token_ids[kept:], frame.token_times[kept:]
+        if self.cut(frame, frame.finished and frame.error is None):
             frame.finish_reason, frame.error = STOPPED, None
         return frame
 
@@ -114,10 +121,4 @@ class OutputAssembler:
         finished = request.status.is_finished
         finish = request.status.finish_reason if finished else None
         frame = OutputFrame(request.request_id, new_ids, "", times, finish, num_prompt_tokens=self.num_prompt_tokens)
-        if self.text is None:
-            return frame, False
-        text, kept = self.text.add(new_ids, finished)
-        frame.text = text
-        if kept is not None:
-            del new_ids[kept:], times[kept:]
-        return frame, kept is not None
+        return frame, self.text is not None and self.text.cut(frame, finished)

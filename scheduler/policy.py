@@ -259,11 +259,10 @@ class SchedulingPolicy(ABC):
         if observe:
             self.observe(output, step_time_s, switch_time_s, copy_time_s)
         finished = []
-        for request in live:   # the fields written out: this runs every step, on cold caches
-            output_ids = request.output_token_ids
-            request.num_computed_tokens = len(request.prompt_token_ids) + len(output_ids)
+        for request in live:
+            request.num_computed_tokens = request.num_tokens
             token = int(sampled[request.request_id])
-            output_ids.append(token)
+            request.output_token_ids.append(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -335,20 +334,16 @@ class SchedulingPolicy(ABC):
         the fewest tokens any request has left, 1 when one has stop strings; each request gets
         the blocks for the run now, without preempting (a request no free block can grow
         shortens the run to the room it has)."""
-        # written out (no properties, no helper calls): this runs once per run of every turn
         steps = max_steps
-        held = []   # (request, tokens it holds now)
         for r in output.requests:
-            params = r.sampling_params
-            if params.stop:
+            if r.sampling_params.stop:
                 return 1
-            n = len(r.output_token_ids)
-            steps = min(steps, params.max_tokens - n)   # tokens it has left
-            held.append((r, len(r.prompt_token_ids) + n))
+            steps = min(steps, r.max_num_tokens - r.num_tokens)   # tokens it has left
         if steps <= 1:
             return 1
         shape = None
-        for r, num_tokens in held:
+        for r in output.requests:
+            num_tokens = r.num_tokens
             room = len(r.block_ids) * BLOCK_SIZE - num_tokens + 1   # steps its blocks hold (>= 1)
             if room >= steps:
                 continue
@@ -363,9 +358,7 @@ class SchedulingPolicy(ABC):
     def _decode_batch(self, model: str) -> SchedulerOutput | None:
         batch = self.running[model][: self.config.max_batch_size]
         # most decode steps: every request RUNNING with room for its next token in its last block
-        running = RequestStatus.RUNNING
-        if all(r.status is running and len(r.prompt_token_ids) + len(r.output_token_ids) <= len(r.block_ids) * BLOCK_SIZE
-               for r in batch):
+        if all(r.status is RequestStatus.RUNNING and r.num_tokens <= len(r.block_ids) * BLOCK_SIZE for r in batch):
             return SchedulerOutput(model, batch, False) if batch else None
         shape = self.models[model].kv_shape
         pending = list(batch)
