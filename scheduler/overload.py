@@ -73,6 +73,10 @@ class RoundRule:
     min_quota_steps: int
     switch_factor: float | None
     resident: frozenset[str] = frozenset()
+    # longer turns when switches are free, to amortise the engine's cost of a turn (quota.py)
+    max_quota_steps: int | None = None
+    turn_cost_s: float = 0.0
+    turn_overhead_frac: float | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ def plan_round(batches: Sequence[BatchLoad], rule: RoundRule) -> RoundPlan:
     c0 = 0.0 if set(names) <= rule.resident else sum(b.switch_s for b in batches)
     steps = [b.step_s for b in batches]
     plan = decode_quotas([b.tbt_slo_s for b in batches], steps, c0, rule.quota_max_s,
-                         rule.min_quota_steps, rule.switch_factor)
+                         rule.min_quota_steps, rule.switch_factor, rule.max_quota_steps, rule.turn_cost_s,
+                         rule.turn_overhead_frac)
     if math.isinf(plan.quotas_s[0]):  # a lone batch: judge it over min_quota_steps steps
         decode_s = rule.min_quota_steps * steps[0]
     else:
@@ -159,9 +164,9 @@ class _RoundSums:
         self._sums = self._grown((0.0, 0.0, 0.0, math.inf, math.inf, True), first)
 
     def _grown(self, sums: tuple, b: BatchLoad) -> tuple:
-        switch, quota, inv_n, min_n, min_slo, resident = sums
+        switch, step_sum, inv_n, min_n, min_slo, resident = sums
         n = b.tbt_slo_s / b.step_s
-        return (switch + b.switch_s, quota + self.rule.min_quota_steps * b.step_s, inv_n + 1.0 / n,
+        return (switch + b.switch_s, step_sum + b.step_s, inv_n + 1.0 / n,
                 min(min_n, n), min(min_slo, b.tbt_slo_s), resident and b.model in self.rule.resident)
 
     def add(self, b: BatchLoad) -> None:
@@ -169,11 +174,11 @@ class _RoundSums:
         self.batches.append(b)
 
     def alpha_with(self, b: BatchLoad) -> float:
-        switch, quota, inv_n, min_n, min_slo, resident = self._grown(self._sums, b)
+        switch, step_sum, inv_n, min_n, min_slo, resident = self._grown(self._sums, b)
         c0 = 0.0 if resident else switch
         rule = self.rule
         if c0 == 0:
-            return free_switch_alpha(quota, rule.min_quota_steps, min_slo)
+            return free_switch_alpha(step_sum, min_slo)
         return switch_alpha(c0, inv_n, min_n, rule.quota_max_s, rule.switch_factor)
 
 

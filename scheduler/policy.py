@@ -56,6 +56,9 @@ class SchedulerConfig:
     overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
     admit_alpha: float = 0.9  # overload control admits new requests while the next round's alpha <= this
     max_decode_steps: int = 8  # decode steps the engine may run back to back per schedule call (1: one)
+    # all resident: turns (up to max_decode_steps) long enough that a turn's fixed engine cost
+    # is at most this share of it (None: min_quota_steps; see scheduler/quota.py)
+    turn_overhead_frac: float | None = 0.02
 
     def __post_init__(self) -> None:
         for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps",
@@ -69,6 +72,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1], got {self.admit_alpha!r}")
         if not isinstance(self.overload_control, bool):
             raise ValueError(f"SchedulerConfig.overload_control must be a bool, got {self.overload_control!r}")
+        if self.turn_overhead_frac is not None and not 0 < self.turn_overhead_frac < 1:
+            raise ValueError(f"SchedulerConfig.turn_overhead_frac must be in (0, 1) or None, "
+                             f"got {self.turn_overhead_frac!r}")
         if self.quota_switch_factor is not None and not self.quota_switch_factor > 0:
             raise ValueError(f"SchedulerConfig.quota_switch_factor must be > 0 or None, "
                              f"got {self.quota_switch_factor!r}")
@@ -345,12 +351,20 @@ class SchedulingPolicy(ABC):
         for r in output.requests:
             num_tokens = r.num_tokens
             room = len(r.block_ids) * BLOCK_SIZE - num_tokens + 1   # steps its blocks hold (>= 1)
-            if room >= steps:
+            if room > steps:
                 continue
             shape = shape or self.models[output.model].kv_shape
-            ids = self.block_manager.allocate(shape, blocks_for_tokens(num_tokens + steps - 1) - len(r.block_ids))
-            if ids is None:   # no free block: the run shrinks to the room it has
-                steps = room
+            have = len(r.block_ids)
+            # the run's blocks, and the next step's slot when the request goes on after the run,
+            # so a run that ends on a block boundary does not send the next schedule down the
+            # slow path of _decode_batch (a run's length often divides BLOCK_SIZE)
+            last = num_tokens + steps if num_tokens + steps < r.max_num_tokens else num_tokens + steps - 1
+            ids = self.block_manager.allocate(shape, blocks_for_tokens(last) - have) if last > have * BLOCK_SIZE else []
+            if ids is None and room < steps:   # not even the run's: try those alone
+                ids = self.block_manager.allocate(shape, blocks_for_tokens(num_tokens + steps - 1) - have)
+            if ids is None:
+                if room < steps:   # no free block: the run shrinks to the room it has
+                    steps = room
             else:
                 r.block_ids = r.block_ids + ids
         return steps

@@ -33,8 +33,15 @@ n = 5, alpha = 0.5), while a round stays a small multiple of c0. With expensive 
 K * c0 exceeds Q_max and the rule is Aegaeon's unchanged.
 
 Two corner cases the formula does not cover:
-  * c0 == 0 (every model of the round stays resident): switches are free, so short turns
-    cost nothing; each batch gets `min_quota_steps` steps.
+  * c0 == 0 (every model of the round stays resident): no weights move, and alpha does not
+    depend on the turns' length (each batch gets 1/N of the device whatever it is), so turns
+    are short: `min_quota_steps` steps. But a turn still pays the engine a fixed cost
+    `turn_cost_s` (scheduling it, emitting its frames, measured by the policy), which on a
+    small model is a real share of a short turn. A turn is made long enough to keep that
+    cost under `turn_overhead_frac` of it (the same amortisation K does for weight copies)
+    and no longer than 1/N of the tightest TBT SLO (a round of them still fits it, so even
+    a stream's first gap after its prefill meets it), at most `max_quota_steps` steps (the
+    engine's multi-step run): big models keep their short turns, tiny ones get fewer.
   * one batch alone: nothing to switch to; it runs until other work arrives (quota = inf).
 """
 from __future__ import annotations
@@ -56,7 +63,8 @@ class QuotaPlan:
 
 def decode_quotas(
     tbt_slos_s, step_times_s, switch_time_s: float, quota_max_s: float, min_quota_steps: int = 4,
-    switch_factor: float | None = None,
+    switch_factor: float | None = None, max_quota_steps: int | None = None, turn_cost_s: float = 0.0,
+    turn_overhead_frac: float | None = None,
 ) -> QuotaPlan:
     """Quotas of the decode batches of one round (see the module docstring for the rule)."""
     tbt_slos_s = [float(x) for x in tbt_slos_s]
@@ -75,23 +83,48 @@ def decode_quotas(
         raise ValueError(f"min_quota_steps must be >= 1, got {min_quota_steps!r}")
     if switch_factor is not None and not switch_factor > 0:
         raise ValueError(f"switch_factor must be > 0 or None, got {switch_factor!r}")
+    if max_quota_steps is not None and max_quota_steps < 1:
+        raise ValueError(f"max_quota_steps must be >= 1 or None, got {max_quota_steps!r}")
+    if turn_overhead_frac is not None and not 0 < turn_overhead_frac < 1:
+        raise ValueError(f"turn_overhead_frac must be in (0, 1) or None, got {turn_overhead_frac!r}")
+    if not turn_cost_s >= 0:
+        raise ValueError(f"turn_cost_s must be >= 0, got {turn_cost_s!r}")
 
     n = [slo / d for slo, d in zip(tbt_slos_s, step_times_s)]
     if len(n) == 1:
         return QuotaPlan(alpha=1.0 / n[0], quotas_s=(math.inf,))
     if switch_time_s == 0:
-        quotas = tuple(min_quota_steps * d for d in step_times_s)
-        round_s = sum(quotas)
-        return QuotaPlan(alpha=free_switch_alpha(round_s, min_quota_steps, min(tbt_slos_s)), quotas_s=quotas)
+        min_slo = min(tbt_slos_s)
+        turn_s = free_turn_s(turn_cost_s, turn_overhead_frac, min_slo, len(step_times_s))
+        quotas = tuple(free_switch_steps(d, turn_s, min_quota_steps, max_quota_steps) * d for d in step_times_s)
+        return QuotaPlan(alpha=free_switch_alpha(sum(step_times_s), min_slo), quotas_s=quotas)
     s = sum(1.0 / x for x in n)
     alpha = switch_alpha(switch_time_s, s, min(n), quota_max_s, switch_factor)
     return QuotaPlan(alpha=alpha, quotas_s=tuple(switch_time_s / (x * (alpha - s)) for x in n))
 
 
-def free_switch_alpha(round_s: float, min_quota_steps: int, min_tbt_slo_s: float) -> float:
-    """alpha of a round whose switches are free: each batch emits min_quota_steps tokens per
-    round of `round_s`, so the tightest SLO decides."""
-    return round_s / min_quota_steps / min_tbt_slo_s
+def free_turn_s(turn_cost_s: float, turn_overhead_frac: float | None, min_tbt_slo_s: float,
+                num_batches: int) -> float:
+    """How long a turn should be when switches are free: enough that the engine's fixed cost
+    of a turn is at most `turn_overhead_frac` of it, within 1/num_batches of the tightest TBT
+    SLO (0: no such cost known, turns stay at min_quota_steps)."""
+    if turn_overhead_frac is None or not turn_cost_s > 0:
+        return 0.0
+    return min(turn_cost_s / turn_overhead_frac, min_tbt_slo_s / num_batches)
+
+
+def free_switch_steps(step_s: float, turn_s: float, min_quota_steps: int, max_quota_steps: int | None) -> int:
+    """Steps of a turn of about `turn_s` (whole steps that fit), between min_quota_steps and
+    max_quota_steps (None: min_quota_steps)."""
+    if max_quota_steps is None or max_quota_steps <= min_quota_steps:
+        return min_quota_steps
+    return max(min_quota_steps, min(max_quota_steps, int(turn_s / step_s)))
+
+
+def free_switch_alpha(round_step_s: float, min_tbt_slo_s: float) -> float:
+    """alpha of a round whose switches are free: each batch emits one token per `round_step_s`
+    (the sum of the batches' step times) whatever the turns' length, so the tightest SLO decides."""
+    return round_step_s / min_tbt_slo_s
 
 
 def switch_alpha(switch_time_s: float, sum_inv_n: float, min_n: float, quota_max_s: float,

@@ -36,6 +36,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 
+from scheduler.estimator import OnlineLinearFit
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, admits, plan_round, select_round
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
 from scheduler.request import Request
@@ -68,8 +69,11 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._prefill_credit_s = 0.0
         self._prefill_cap_s = math.inf
         self._prefill_rate = math.inf
-        self._last_step: tuple[float, float, int] | None = None  # (schedule time, forward + switch s, steps)
+        # (schedule time, forward + switch s, steps, a decode run)
+        self._last_step: tuple[float, float, int, bool] | None = None
         self.step_overhead_s = 0.0  # EWMA of a step's wall time outside the forward and switch
+        # a decode run's time outside its forward: a fixed cost of the run + a cost per step
+        self._run_overhead = OnlineLinearFit(2)
         self._planned_steps = 1  # steps the latest output allowed
         self._ran_all = False  # the previous output ran all of them
         self.last_alpha: float | None = None  # alpha of the latest round (mean TBT / TBT SLO)
@@ -94,15 +98,15 @@ class TokenLevelPolicy(SchedulingPolicy):
         if output is not None:
             self._last_model = output.model
             output.prefetch_model = self._expected_next(output.model)
-            self._last_step = (now, 0.0, 0)
+            self._last_step = (now, 0.0, 0, not output.is_prefill)
             self._planned_steps = output.num_steps
         return output
 
     def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None, observe=True):
         spent = step_time_s + switch_time_s
         if self._last_step is not None:   # the steps of a multi-step run add up
-            start, busy, steps = self._last_step
-            self._last_step = (start, busy + spent, steps + 1)
+            start, busy, steps, decode = self._last_step
+            self._last_step = (start, busy + spent, steps + 1, decode)
         if output.is_prefill:
             self._prefill_credit_s -= spent
         elif output.requests:
@@ -317,7 +321,8 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _rule(self) -> RoundRule:
         c = self.config
-        return RoundRule(c.quota_max_s, c.min_quota_steps, c.quota_switch_factor, frozenset(self.resident))
+        return RoundRule(c.quota_max_s, c.min_quota_steps, c.quota_switch_factor, frozenset(self.resident),
+                         c.max_decode_steps, self.turn_cost_s, c.turn_overhead_frac)
 
     def _load(self, model: str, now: float, extra: list[Request] = ()) -> BatchLoad:
         """`model`'s batch for the next round, with `extra` (waiting) requests joining it."""
@@ -360,10 +365,21 @@ class TokenLevelPolicy(SchedulingPolicy):
         last, self._last_step = self._last_step, None
         if last is None or not last[2]:
             return False
-        sample = (now - last[0] - last[1]) / last[2]
+        start, busy, steps, decode = last
+        total = now - start - busy
+        sample = total / steps
         if 0.0 <= sample <= _OVERHEAD_MAX_S:
             self.step_overhead_s += _OVERHEAD_EWMA * (sample - self.step_overhead_s)
-        return last[2] >= self._planned_steps
+            if decode:
+                self._run_overhead.observe((1.0, float(steps)), total)
+        return steps >= self._planned_steps
+
+    @property
+    def turn_cost_s(self) -> float:
+        """What a decode run costs outside its forward beyond its steps' own share (scheduling
+        it, emitting its frames): the intercept of the runs' overhead against their steps."""
+        coef = self._run_overhead.coef
+        return max(0.0, coef[0]) if coef else 0.0
 
     # -- prefetch ------------------------------------------------------------------------
 

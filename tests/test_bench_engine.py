@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
-        "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--threads", "1",
+        "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--overhead-repeats", "2", "--threads", "1",
         "--metrics-pairs", "2"]
 
 
@@ -48,6 +48,11 @@ def test_bench_engine_writes_every_figure(tmp_path):
     # like for like: both sides produced the same greedy tokens for every request (float32)
     assert r["decode_greedy_match"] == "8/8"
     assert r["overhead_tiny"]["num_models"] == 8 and r["overhead_tiny"]["num_swaps"] == 0
+    tiny = r["overhead_tiny"]   # the mean of the uninstrumented runs, with its interval
+    assert len(tiny["scheduler_overhead_frac_runs"]) == 2
+    lo, hi = tiny["scheduler_overhead_frac_ci95"]
+    assert r["scheduler_overhead_frac"] == pytest.approx(sum(tiny["scheduler_overhead_frac_runs"]) / 2)
+    assert lo <= r["scheduler_overhead_frac"] <= hi
     assert r["overhead_model_swapping"]["num_swaps"] > 0
     m = r["machine"]
     assert m["cpu_count"] >= 1 and m["torch_threads"] == 1 and m["device"] == "cpu"

@@ -133,8 +133,17 @@ class ClosingStreamingResponse(StreamingResponse):
     request's abort, its admission ticket and the router's count of it."""
 
     async def __call__(self, scope, receive, send) -> None:
+        async def receive_or_disconnect():
+            # A receive that fails means the client's side is gone (Ray Serve raises
+            # TaskCancelledError once its proxy cancelled the request): a disconnect, not a 500.
+            try:
+                return await receive()
+            except Exception as exc:
+                logger.debug("receive failed (%s): the client is gone", type(exc).__name__)
+                return {"type": "http.disconnect"}
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_or_disconnect, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()

@@ -55,6 +55,9 @@ class SchedulerArgs(BaseModel):
     max_batch_size: int | None = Field(None, ge=1, description="requests in one decode step")
     quota_max_s: float | None = Field(None, gt=0, description="Q_max of the decode quota rule, seconds")
     min_quota_steps: int | None = Field(None, ge=1, description="decode steps per turn when switches are free")
+    turn_overhead_frac: float | None = Field(None, gt=0, lt=1, description="when switches are free, turns are "
+                                             "long enough to keep the engine's fixed cost of a turn under this "
+                                             "share of it (within the TBT SLO; null: min_quota_steps)")
     quota_switch_factor: float | None = Field(None, gt=0, description="cap quotas at this x the round's switch "
                                                                       "cost (null: Q_max only)")
 

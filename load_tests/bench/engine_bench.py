@@ -173,7 +173,8 @@ def _overhead(paths: dict, args, device, cache, num_slots: int) -> dict:
     try:
         return measure_overhead(paths, device=device, dtype=args.dtype, num_slots=num_slots,
                                 requests_per_model=args.overhead_requests, new_tokens=args.overhead_tokens,
-                                prompt_tokens=args.prompt_tokens, host_cache=cache, kernels=args.kernels)
+                                prompt_tokens=args.prompt_tokens, host_cache=cache, kernels=args.kernels,
+                                repeats=args.overhead_repeats)
     finally:
         _free(device)
 
@@ -240,7 +241,8 @@ def _shape(run: _Run, shape: str, args, device, sections: list[str]) -> dict:
     path = build_shape(shape, scratch_dir(shape_bytes(shape)), device)
     out["build_s"] = time.perf_counter() - start
     names = [f"{shape}-{i}" for i in range(max(2, args.shape_overhead_models))]
-    shape_args = argparse.Namespace(**{**vars(args), "dtype": None})   # the checkpoint's bf16
+    shape_args = argparse.Namespace(**{**vars(args), "dtype": None,   # the checkpoint's bf16
+                                       "overhead_repeats": args.shape_repeats})
     try:
         with bench_host_cache(shape_bytes(shape)) as cache:
             if "swap" in sections and run.allowed(f"shape-{shape}-swap"):

@@ -29,6 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-models", type=int, default=8, help="models active at once")
     parser.add_argument("--overhead-requests", type=int, default=4, help="requests per model")
     parser.add_argument("--overhead-tokens", type=int, default=32, help="tokens per request")
+    parser.add_argument("--overhead-repeats", type=int, default=5,
+                        help="timed runs of the overhead section (mean and 95%% interval reported)")
     parser.add_argument("--metrics-pairs", type=int, default=15,
                         help="alternating on/off windows (2 s each) of the metrics section")
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
@@ -46,7 +48,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> list[str]:
     """Validate the numbers; returns the selected sections. Bad input -> ValueError."""
     for name in ("repeats", "swap_repeats", "cold_repeats", "batch", "new_tokens", "prompt_tokens",
-                 "overhead_models", "overhead_requests", "overhead_tokens", "shape_repeats",
+                 "overhead_models", "overhead_requests", "overhead_tokens", "overhead_repeats", "shape_repeats",
                  "shape_overhead_models", "metrics_pairs"):
         value = getattr(args, name)
         if value < 1:
