@@ -177,9 +177,9 @@ class ClusterEngineClient:
             tried.append(worker_id)
             try:
                 stream = await self._open(handle, req, sent)
-            except _WORKER_GONE:
-                await self._worker_failed(worker_id, req, sent)
+            except _WORKER_GONE:   # its place first: cancelled while reporting, it would be kept
                 self.router.release.remote(worker_id, req.model, req.request_id)
+                await self._worker_failed(worker_id, req, sent)
                 continue
             except ValueError as exc:   # the worker refused to adopt it (an unknown model, a bad state)
                 self.router.release.remote(worker_id, req.model, req.request_id)
