@@ -355,17 +355,18 @@ class SchedulingPolicy(ABC):
                 continue
             shape = shape or self.models[output.model].kv_shape
             have = len(r.block_ids)
-            # the run's blocks, and the next step's slot when the request goes on after the run,
-            # so a run that ends on a block boundary does not send the next schedule down the
-            # slow path of _decode_batch (a run's length often divides BLOCK_SIZE)
-            last = num_tokens + steps if num_tokens + steps < r.max_num_tokens else num_tokens + steps - 1
-            ids = self.block_manager.allocate(shape, blocks_for_tokens(last) - have) if last > have * BLOCK_SIZE else []
+            need = num_tokens + steps - 1   # the slots the run fills
+            # and the next step's when the request goes on after the run: a run that ends on a
+            # block boundary (its length often divides BLOCK_SIZE) then does not send the next
+            # schedule down the slow path of _decode_batch
+            ahead = need + 1 if need + 1 < r.max_num_tokens else need
+            ids = self.block_manager.allocate(shape, blocks_for_tokens(ahead) - have)
             if ids is None and room < steps:   # not even the run's: try those alone
-                ids = self.block_manager.allocate(shape, blocks_for_tokens(num_tokens + steps - 1) - have)
-            if ids is None:
-                if room < steps:   # no free block: the run shrinks to the room it has
+                ids = self.block_manager.allocate(shape, blocks_for_tokens(need) - have)
+                if ids is None:   # no free block: the run shrinks to the room it has
                     steps = room
-            else:
+                    continue
+            if ids:
                 r.block_ids = r.block_ids + ids
         return steps
 
