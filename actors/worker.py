@@ -39,10 +39,18 @@ STEP_BOUND_S = 60.0       # the watchdog: a step running longer than this makes 
 
 
 class EngineLoop:
-    """Runs an Engine on a background thread; commands and frames cross via queues."""
+    """Runs an Engine on a background thread; commands and frames cross via queues.
 
-    def __init__(self, engine: Engine, deliver):
+    nice > 0 lowers the engine thread's CPU priority (and its torch threads', made from it).
+    A virtual device computes on the host's cores, which the HTTP edge, the router and the
+    workers' own Ray threads share; a GPU would not take them. On a 2-core host at 10x
+    overload, engines at the edge's priority left it ~3 s behind its arrivals, so accepted
+    requests waited that long before admission saw them (issue 12); yielding, they waited
+    ~0.1 s. Linux gives each thread its own nice value; elsewhere the setting is skipped."""
+
+    def __init__(self, engine: Engine, deliver, nice: int = 0):
         self.engine = engine
+        self.nice = nice
         self.deliver = deliver          # called on the engine thread with each list of frames
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -78,6 +86,8 @@ class EngineLoop:
         return None
 
     def _run(self) -> None:
+        if self.nice:
+            _lower_priority(self.nice)
         while not self.stopped:
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -142,14 +152,24 @@ class EngineLoop:
                     future.set_result(result)
 
 
+def _lower_priority(nice: int) -> None:
+    """This thread's nice value raised by `nice` (Linux: per thread); logged where unsupported."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except (AttributeError, OSError) as exc:
+        logger.warning("the engine thread keeps its CPU priority (%s)", exc)
+
+
 class DeviceWorker:
     """One per device. Methods are async; the engine never blocks the actor's event loop."""
 
     def __init__(self, worker_id: str, config: EngineConfig | dict | None = None, num_threads: int | None = None,
-                 node_id: str | None = None, shared_kv: bool = False, step_bound_s: float = STEP_BOUND_S):
+                 node_id: str | None = None, shared_kv: bool = False, step_bound_s: float = STEP_BOUND_S,
+                 engine_nice: int = 0):
         """config: an EngineConfig or its kwargs. shared_kv: on a CPU device, keep the KV pool in a
         node-shared region (/dev/shm), so a same-node KV handoff exports without a copy.
-        step_bound_s: the watchdog's bound on one engine step (see `health`)."""
+        step_bound_s: the watchdog's bound on one engine step (see `health`). engine_nice: how much
+        lower the engine thread's CPU priority is than the worker's (see EngineLoop)."""
         if not step_bound_s > 0:
             raise ValueError(f"step_bound_s must be > 0, got {step_bound_s!r}")
         import torch
@@ -170,7 +190,7 @@ class DeviceWorker:
         self._router = None
         self.buffers: dict[str, FrameBuffer] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe)
+        self.engine_loop = EngineLoop(self.engine, self._deliver_threadsafe, engine_nice)
         self.handoff = KVHandoff(self.engine, self.transfers)
         self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
         self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 30.0
+VIRTUAL_ENGINE_NICE = 10  # a virtual device's engine thread yields the host's cores to the edge (EngineLoop)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class TopologyConfig:
     supervise: bool = True                 # the watcher also replaces dead workers and control plane
     step_bound_s: float = 60.0             # a worker whose one engine step runs longer is unhealthy
     shared_kv: bool = True                 # CPU workers keep KV in /dev/shm (zero-copy handoff)
+    engine_nice: int | None = None         # engine threads' lower CPU priority (None: 10 on a virtual device, else 0)
     detached: bool = False                 # actors outlive the driver that brought them up
 
     def __post_init__(self) -> None:
@@ -78,6 +80,9 @@ class TopologyConfig:
             raise ValueError(f"watch_interval_s must be > 0 or None, got {self.watch_interval_s!r}")
         if not self.step_bound_s > 0:
             raise ValueError(f"step_bound_s must be > 0, got {self.step_bound_s!r}")
+        if self.engine_nice is not None and (not isinstance(self.engine_nice, int) or isinstance(self.engine_nice, bool)
+                                             or not 0 <= self.engine_nice <= 19):
+            raise ValueError(f"TopologyConfig.engine_nice must be an int in 0..19 or None, got {self.engine_nice!r}")
         from actors.engine import EngineConfig   # validates the kwargs (names and values)
 
         try:
@@ -324,10 +329,12 @@ def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
     real_gpu = any(k.startswith("accelerator_type:") for k in node.resources)
     device = config.engine.get("device") or ("cuda" if real_gpu else "cpu")
     threads = config.threads_per_worker or max(1, int(node.num_cpus) // count)
+    engine_nice = config.engine_nice if config.engine_nice is not None else VIRTUAL_ENGINE_NICE if device == "cpu" else 0
     short = node.node_id[:8]
     return [{"worker_id": f"{short}-gpu{i}", "node_id": node.node_id,
              "engine": {**config.engine, "device": device}, "num_threads": threads,
-             "shared_kv": config.shared_kv and device == "cpu", "step_bound_s": config.step_bound_s}
+             "shared_kv": config.shared_kv and device == "cpu", "step_bound_s": config.step_bound_s,
+             "engine_nice": engine_nice}
             for i in range(count)]
 
 
@@ -406,7 +413,8 @@ def _spawn(spec: dict, config: TopologyConfig):
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
         spec["worker_id"], EngineConfig(**spec["engine"]), num_threads=spec["num_threads"], node_id=spec["node_id"],
-        step_bound_s=spec["step_bound_s"], **({"shared_kv": True} if spec["shared_kv"] else {}))
+        step_bound_s=spec["step_bound_s"], engine_nice=spec.get("engine_nice", 0),
+        **({"shared_kv": True} if spec["shared_kv"] else {}))
 
 
 def sweep_stale_kv_files(shm_dir: str = "/dev/shm") -> list[str]:

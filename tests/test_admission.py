@@ -53,7 +53,7 @@ def test_a_model_with_max_waiting_requests_refuses_more_and_others_still_start()
 
 def test_a_request_predicted_to_start_past_twice_its_ttft_slo_is_refused_with_the_wait():
     clock = Clock()
-    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0), clock=clock)
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, adaptive=False), clock=clock)
     queue = [admission.admit(MODEL, 1.0) for _ in range(6)]
     for _ in range(5):                                   # a standing queue serves 2 first tokens / s
         clock.now += 0.5
@@ -69,7 +69,7 @@ def test_a_request_predicted_to_start_past_twice_its_ttft_slo_is_refused_with_th
 
 def test_a_first_burst_waits_only_up_to_the_cold_bound_until_its_start_rate_is_measured():
     clock = Clock()
-    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, cold_waiting=8), clock=clock)
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, cold_waiting=8, adaptive=False), clock=clock)
     queue = [admission.admit(MODEL, 1.0) for _ in range(8)]
     e = refusal(admission)                                            # no rate yet: the 9th waits outside
     assert "8 requests waiting to start and no measured start rate yet" in e.message
@@ -86,7 +86,7 @@ def test_a_first_burst_waits_only_up_to_the_cold_bound_until_its_start_rate_is_m
 
 def test_an_idle_gap_is_not_taken_for_a_slow_server():
     clock = Clock()
-    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0), clock=clock)
+    admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, adaptive=False), clock=clock)
     for _ in range(3):                                   # bursts of 6, each drained at 10 / s, then idle
         burst = [admission.admit(MODEL, 0.5) for _ in range(6)]
         for t in burst:
@@ -95,6 +95,67 @@ def test_an_idle_gap_is_not_taken_for_a_slow_server():
             t.release()
         clock.now += 60.0
     assert admission.predicted_ttft_s(MODEL) == pytest.approx(0.1)
+
+
+def test_late_first_tokens_halve_the_requests_in_flight_and_on_time_ones_grow_them_back():
+    clock = Clock()
+    admission = Admission(AdmissionConfig(ttft_slo_multiple=0, initial_active=8, min_active=2), clock=clock)
+    first = [admission.admit(MODEL, 1.0) for _ in range(8)]
+    assert "limit of 8 requests in flight" in refusal(admission).message
+    clock.now += 1.5                                     # the edge fell behind: they start 1.5 s in, SLO 1 s
+    for t in first:
+        t.first_token()
+    # halved once, not once per late request: all 8 were admitted under the old limit
+    assert admission.limit_now() == 4
+    for t in first[:5]:
+        t.release()
+    assert admission.active == 3
+    admission.check_room()                               # 3 < 4: room
+    late = admission.admit(MODEL, 1.0, arrived_at=clock.now - 0.5)   # 0.5 s already spent reading it
+    e = refusal(admission)
+    assert "limit of 4 requests in flight (lowered while recent requests started late)" in e.message
+    clock.now += 0.6                                     # 1.1 s after it arrived: late under the new limit too
+    late.first_token()
+    assert admission.limit_now() == 2                    # min(limit 4, 4 in flight) x 0.5
+    for t in [*first[5:], late]:
+        t.release()
+    for _ in range(4):                                   # on time while the limit is in use: + 1 each
+        tickets = [admission.admit(MODEL, 1.0) for _ in range(admission.limit_now())]
+        refusal(admission)
+        clock.now += 0.2
+        for t in tickets:
+            t.first_token()
+        for t in tickets:
+            t.release()
+    assert admission.limit_now() == 2 * 2 * 2 * 2 * 2    # doubles while the whole limit is in use
+    for _ in range(10):                                  # one at a time: 1 < 32 / 2 in use, no growth
+        admission.admit(MODEL, 1.0).first_token()
+    assert admission.limit_now() == 32
+    stuck = [admission.admit(MODEL, 1.0) for _ in range(20)]
+    clock.now += 1.01                                    # past their deadline, still no first token:
+    with pytest.raises(OpenAIError):                     # the next arrival sees it, before any token comes,
+        admission.check_room()                           # and is refused: 20 in flight, limit now
+    assert admission.limit_now() == 10                   # min(32, 20 in flight) x 0.5, once
+    for t in stuck:
+        t.first_token()                                  # counted late already: not again
+    assert admission.limit_now() == 10
+    assert Admission(AdmissionConfig(adaptive=False, max_active=50)).limit_now() == 50
+
+
+def test_a_client_asking_for_an_impossible_ttft_slo_does_not_lower_the_limit_for_everyone():
+    engine = make_engine(tokens_per_frame=2, frame_interval_s=0.3)   # first tokens 0.3 s after arrival
+    ingress = OpenAIIngress(engine, IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16,
+                                                  admission=AdmissionConfig(initial_active=8)))
+
+    async def run() -> None:
+        async def one(body: dict) -> None:
+            async for _ in ingress.generate_frames({"endpoint": "completions", "body": body}):
+                pass
+        tight = {"model": MODEL, "prompt": "x", "max_tokens": 2, "ttft_slo_s": 0.001}
+        await asyncio.gather(*(one(tight) for _ in range(6)))
+
+    asyncio.run(run())
+    assert ingress.admission.limit_now() >= 8            # late for their 1 ms, on time for the server's SLO
 
 
 @settings(max_examples=60, deadline=None)

@@ -51,14 +51,17 @@ class OpenAIIngress:
         self.engine = engine
         self.config = config or IngressConfig()
         self.admission = Admission(self.config.admission)
+        self._arrivals: dict[str, float] = {}   # request id -> when prepare began (admission's clock), until admitted
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
         return ModelList(data=cards).model_dump()
 
-    async def prepare(self, endpoint: Endpoint, body: bytes | str
+    async def prepare(self, endpoint: Endpoint, body: bytes | str, arrived: float | None = None
                       ) -> tuple[CompletionRequest | ChatCompletionRequest, GenerateRequest]:
-        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx)."""
+        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx). arrived: when
+        the edge began reading it (admission's clock; default now), what its TTFT counts from."""
+        arrived = self.admission.clock() if arrived is None else arrived
         try:
             parsed = _REQUEST_TYPES[endpoint].model_validate_json(body)
         except ValidationError as e:
@@ -69,11 +72,13 @@ class OpenAIIngress:
         self.admission.check(parsed.model, request_slo(parsed, self.config).ttft_s)
         # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
         gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
+        self._arrivals[request_id] = arrived
         return parsed, gen_req
 
     def admit(self, gen_req: GenerateRequest) -> Ticket:
         """Accept the request (its ticket goes with its frames) or raise a 429."""
-        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s)
+        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s, self._arrivals.pop(gen_req.request_id, None),
+                                    late_after_s=max(gen_req.slo.ttft_s, self.config.default_slo.ttft_s))
 
     def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
         """The accepted request's stream chunks (OpenAIError 429 if it is not accepted)."""
@@ -150,7 +155,9 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
-    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
+    arrived = ingress.admission.clock()
+    ingress.admission.check_room()   # a full edge refuses before it reads anything
+    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes), arrived)
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.

@@ -59,7 +59,8 @@ def topology_config(args: AppArgs, models: dict[str, str]):
     from scheduler.slo import SLO
 
     return TopologyConfig(models=models, engine=args.engine_config(), devices_per_node=args.devices_per_node,
-                          threads_per_worker=args.threads_per_worker, slo=SLO(args.slo.ttft_s, args.slo.tbt_s))
+                          threads_per_worker=args.threads_per_worker, engine_nice=args.engine_nice,
+                          slo=SLO(args.slo.ttft_s, args.slo.tbt_s))
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64,

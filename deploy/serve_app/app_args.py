@@ -80,6 +80,8 @@ class AppArgs(BaseModel):
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     devices_per_node: int | None = Field(None, ge=1, description="virtual devices per node (CPU hosts)")
     threads_per_worker: int | None = Field(None, ge=1, description="torch threads per worker (CPU hosts)")
+    engine_nice: int | None = Field(None, ge=0, le=19, description="how much lower the engine threads' CPU priority "
+                                                                   "is (default: 10 on a virtual device, else 0)")
     max_tokens_cap: int = Field(4096, ge=1)
     default_max_tokens: int = Field(256, ge=1)
     num_ingress_replicas: int = Field(1, ge=1)
