@@ -413,7 +413,7 @@ def _spawn(spec: dict, config: TopologyConfig):
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
         spec["worker_id"], EngineConfig(**spec["engine"]), num_threads=spec["num_threads"], node_id=spec["node_id"],
-        step_bound_s=spec["step_bound_s"], engine_nice=spec.get("engine_nice", 0),
+        step_bound_s=spec["step_bound_s"], engine_nice=spec["engine_nice"],
         **({"shared_kv": True} if spec["shared_kv"] else {}))
 
 

@@ -207,12 +207,9 @@ class Admission:
 
     def _refuse_if_full(self, model: str, ttft_slo_s: float, q: "_ModelQueue") -> None:
         c = self.config
-        self._expire()
+        self.check_room()
         rate = q.rate()
         drain_s = (lambda n: n / rate) if rate else (lambda n: 1.0)
-        if self.active >= self.limit_now():
-            self.rejected += 1
-            raise self._full()
         if q.waiting >= c.max_waiting:
             self.rejected += 1
             raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start (its limit)",

@@ -51,17 +51,14 @@ class OpenAIIngress:
         self.engine = engine
         self.config = config or IngressConfig()
         self.admission = Admission(self.config.admission)
-        self._arrivals: dict[str, float] = {}   # request id -> when prepare began (admission's clock), until admitted
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
         return ModelList(data=cards).model_dump()
 
-    async def prepare(self, endpoint: Endpoint, body: bytes | str, arrived: float | None = None
+    async def prepare(self, endpoint: Endpoint, body: bytes | str
                       ) -> tuple[CompletionRequest | ChatCompletionRequest, GenerateRequest]:
-        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx). arrived: when
-        the edge began reading it (admission's clock; default now), what its TTFT counts from."""
-        arrived = self.admission.clock() if arrived is None else arrived
+        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx)."""
         try:
             parsed = _REQUEST_TYPES[endpoint].model_validate_json(body)
         except ValidationError as e:
@@ -72,17 +69,18 @@ class OpenAIIngress:
         self.admission.check(parsed.model, request_slo(parsed, self.config).ttft_s)
         # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
         gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
-        self._arrivals[request_id] = arrived
         return parsed, gen_req
 
-    def admit(self, gen_req: GenerateRequest) -> Ticket:
-        """Accept the request (its ticket goes with its frames) or raise a 429."""
-        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s, self._arrivals.pop(gen_req.request_id, None),
+    def admit(self, gen_req: GenerateRequest, arrived: float | None = None) -> Ticket:
+        """Accept the request (its ticket goes with its frames) or raise a 429. arrived: when the
+        edge began reading it (admission's clock; default now), what its TTFT counts from."""
+        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s, arrived,
                                     late_after_s=max(gen_req.slo.ttft_s, self.config.default_slo.ttft_s))
 
-    def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
+    def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool,
+               arrived: float | None = None) -> AsyncIterator[dict]:
         """The accepted request's stream chunks (OpenAIError 429 if it is not accepted)."""
-        return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req),
+        return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req, arrived),
                              self.config.stall_timeout_s)
 
     async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
@@ -94,6 +92,7 @@ class OpenAIIngress:
         `{"error": {...}, "status": <http status>}` that ends the stream.
         """
         endpoint = request.get("endpoint")
+        arrived = self.admission.clock()
         try:
             if endpoint not in _REQUEST_TYPES:
                 raise invalid(f"endpoint must be one of {sorted(_REQUEST_TYPES)}, got {endpoint!r}", param="endpoint")
@@ -101,7 +100,7 @@ class OpenAIIngress:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
             _, gen_req = await self.prepare(endpoint, json.dumps(body))
-            chunks = self.chunks(gen_req, endpoint, include_usage=True)
+            chunks = self.chunks(gen_req, endpoint, include_usage=True, arrived=arrived)
         except OpenAIError as e:
             yield {**e.to_dict(), "status": e.status}
             return
@@ -157,15 +156,15 @@ class ClosingStreamingResponse(StreamingResponse):
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
     arrived = ingress.admission.clock()
     ingress.admission.check_room()   # a full edge refuses before it reads anything
-    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes), arrived)
+    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
-        chunks = ingress.chunks(gen_req, endpoint, include_usage)
+        chunks = ingress.chunks(gen_req, endpoint, include_usage, arrived)
         return ClosingStreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
-    ticket = ingress.admit(gen_req)
+    ticket = ingress.admit(gen_req, arrived)
     result: dict | None = None
     failure: OpenAIError | None = None
     async with anyio.create_task_group() as tg:

@@ -37,6 +37,8 @@ import socket
 import sys
 import time
 
+from load_tests.open_loop import Outcome, quantile, run_open_loop
+
 logger = logging.getLogger(__name__)
 
 APP = "tokenmux-chaos"
@@ -84,33 +86,12 @@ PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning the mode
            "Tokens move between devices when", "The weather today is")
 
 
-class Outcome:
-    """One request as the client saw it."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.error: str | None = None
-        self.status = 0
-        self.finish_reason: str | None = None
-        self.sent_at = 0.0
-        self.first_token_at: float | None = None     # when the client read it (monotonic)
-        self.sent_wall = 0.0                          # time.time() when sent
-        self.first_token_made: float | None = None   # when the worker made it (its token_times, wall clock)
-        self.answered_at: float | None = None   # when the status line came
-        self.num_429 = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None and self.finish_reason is not None
-
-
 async def send(client, body: dict, retry_429_s: float = 0.0, on_first_token=None) -> Outcome:
     """One completion; a 429 is sent again after its Retry-After while `retry_429_s` lasts."""
     deadline = time.monotonic() + retry_429_s
     num_429 = 0
     while True:
         out = Outcome()
-        out.sent_at, out.sent_wall = time.monotonic(), time.time()
         try:
             retry_after = await (_stream if body.get("stream") else _post)(client, body, out, on_first_token)
         except Exception as exc:   # a cut connection, a timeout: the client saw a failure
@@ -144,23 +125,10 @@ async def _stream(client, body: dict, out: Outcome, on_first_token) -> float | N
             return float(resp.headers.get("retry-after", 1))
         done = False
         async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                out.error = chunk["error"]["message"]
-                continue
-            ids = chunk.get("tokenmux", {}).get("token_ids", [])
-            if ids and out.first_token_at is None:
-                out.first_token_at = time.monotonic()
-                out.first_token_made = chunk["tokenmux"]["token_times"][0]
-                if on_first_token is not None:
-                    on_first_token()
-            out.token_ids += ids
-            for choice in chunk.get("choices", []):
-                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            done = done or line == "data: [DONE]"
+            if line.startswith("data: {") and out.read_chunk(json.loads(line[len("data: "):])) \
+                    and on_first_token is not None:
+                on_first_token()
         if not done:
             out.error = out.error or "the stream ended without [DONE]"
     return None
@@ -307,44 +275,37 @@ def _inflight(status) -> tuple[int, list[str]]:
 
 
 def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dict:
-    from load_tests.open_loop import ok, run_open_loop
-
     rate = OVERLOAD_FACTOR * capacity_rps
     batch = bodies(max(1, int(rate * duration_s)), seed + 7)
     rss_before = _rss_mb()
     outcomes, client = run_open_loop(url, batch, rate)   # its own process: the client keeps to the schedule
     rss_after = _rss_mb()
-    accepted = [o for o in outcomes if o["status"] != 429]
-    done = [o for o in accepted if ok(o)]
+    accepted = [o for o in outcomes if o.status != 429]
+    done = [o for o in accepted if o.ok]
     # TTFT of the accepted streams: send -> the worker made the first token (same clock, this host), and
     # send -> this client read it (adds the client's own lag)
-    ttfts = sorted(o["first_token_made"] - o["sent_wall"] for o in done if o["first_token_made"] is not None)
-    client_ttfts = sorted(o["first_token_at"] - o["sent_at"] for o in done if o["first_token_at"] is not None)
-    refusals = sorted(o["answered_at"] - o["sent_at"] for o in outcomes if o["status"] == 429)
-    p99 = _quantile(ttfts, 0.99)
+    ttfts = sorted(o.first_token_made - o.sent_wall for o in done if o.first_token_made is not None)
+    client_ttfts = sorted(o.first_token_at - o.sent_at for o in done if o.first_token_at is not None)
+    refusals = sorted(o.answered_at - o.sent_at for o in outcomes if o.status == 429)
+    p99 = quantile(ttfts, 0.99)
     growth = (sum(rss_after.values()) - sum(rss_before.values())) / max(1e-9, sum(rss_before.values()))
     return {"overload_rate_rps": rate, "overload_requests": len(outcomes),
             "overload_rejected_429": len(refusals),
             # Serve's proxy refuses in plain text once the ingress holds max_ongoing + max_queued
-            "overload_rejected_by_proxy": sum("rate_limit_exceeded" not in (o["error"] or "")
-                                              for o in outcomes if o["status"] == 429),
+            "overload_rejected_by_proxy": sum("rate_limit_exceeded" not in (o.error or "")
+                                              for o in outcomes if o.status == 429),
             "overload_accepted": len(accepted), "overload_client": client,
             "accepted_completed_frac": len(done) / len(accepted) if accepted else None,
-            "accepted_failed_examples": [o["error"] for o in accepted if not ok(o)][:3],
-            "accepted_ttft_p50_s": _quantile(ttfts, 0.5), "accepted_ttft_p99_s": p99, "ttft_slo_s": TTFT_SLO_S,
-            "accepted_client_ttft_p50_s": _quantile(client_ttfts, 0.5),
-            "accepted_client_ttft_p99_s": _quantile(client_ttfts, 0.99),
+            "accepted_failed_examples": [o.error for o in accepted if not o.ok][:3],
+            "accepted_ttft_p50_s": quantile(ttfts, 0.5), "accepted_ttft_p99_s": p99, "ttft_slo_s": TTFT_SLO_S,
+            "accepted_client_ttft_p50_s": quantile(client_ttfts, 0.5),
+            "accepted_client_ttft_p99_s": quantile(client_ttfts, 0.99),
             # how long the edge took to say 429: time spent before admission (HTTP proxy, event loop)
-            "rejected_429_latency_p50_s": _quantile(refusals, 0.5),
-            "rejected_429_latency_p99_s": _quantile(refusals, 0.99),
+            "rejected_429_latency_p50_s": quantile(refusals, 0.5),
+            "rejected_429_latency_p99_s": quantile(refusals, 0.99),
             "accepted_ttft_p99_vs_slo": p99 / TTFT_SLO_S if p99 is not None else None,
             "overload_rss_mb_before": rss_before, "overload_rss_mb_after": rss_after,
             "overload_rss_growth_frac": growth}
-
-
-def _quantile(xs: list[float], q: float) -> float | None:
-    """The q-quantile of sorted xs (nearest rank), None when empty."""
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def _rss_mb() -> dict[str, float]:
