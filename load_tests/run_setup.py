@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 AZURE_CONV = DATA_DIR / "traces" / "azure-llm-2023" / "conv.csv"
+QUIET_SPREAD = 1.5   # the SLO's decode rounds differing more than this: a busy machine (logged)
 
 
 def _checkpoint(name_or_dir: str) -> str:
@@ -120,7 +121,12 @@ def measured_slo(models: dict[str, str], args, threads: int) -> dict:
                                   num_decode_steps=32, num_threads=threads,
                                   device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None)))
     slo = default_slo(times)
-    return {"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
+    rounds = times.decode_rounds_s
+    spread = max(rounds) / min(rounds) if rounds and min(rounds) > 0 else None
+    if spread is not None and spread > QUIET_SPREAD:
+        logger.warning("the SLO's decode step varied %.2fx between rounds (%s s): the machine is not quiet",
+                       spread, ", ".join(f"{r:.4g}" for r in rounds))
+    return {"decode_spread": spread,"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
             "derived_from": times.to_dict(), "tbt_factor": DEFAULT_TBT_FACTOR,
             "ttft_factor": DEFAULT_TTFT_FACTOR,
             "rule": "TBT = tbt_factor x decode_s; TTFT = ttft_factor x (prefill_s + switch_s), "

@@ -122,6 +122,9 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
     slo = data["slo"]
     assert slo["ttft_s"] > 0 and slo["tbt_s"] > 0
     assert slo["tbt_s"] == pytest.approx(slo["tbt_factor"] * slo["derived_from"]["decode_s"], rel=1e-2, abs=1e-4)
+    rounds = slo["derived_from"]["decode_rounds_s"]   # the step is measured in rounds; their spread is reported
+    assert len(rounds) == 5 and min(rounds) <= slo["derived_from"]["decode_s"] <= max(rounds)
+    assert slo["decode_spread"] == pytest.approx(max(rounds) / min(rounds))
     assert list(data["contenders"]) == ["token", "request", "dedicated"]
     assert data["measure"] == "goodput" and data["seeds"] == [0, 1]
     for name, row in data["contenders"].items():
