@@ -158,6 +158,7 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     models = served_models(str(p.models), p.checkpoint)
     slo_info = measured_slo(models, args, p.threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
+    logger.info("SLO: TTFT %.4g s, TBT %.4g s, from %s", slo.ttft_s, slo.tbt_s, slo_info["derived_from"])
     timeout = max(2.0, p.request_timeout_factor * (slo.ttft_s + args.max_output * slo.tbt_s))
     settings = RunSettings(max_requests=p.max_requests, request_timeout_s=timeout, settle_s=p.settle_s,
                            idle_skip_s=p.idle_skip_s)
