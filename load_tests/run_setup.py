@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 AZURE_CONV = DATA_DIR / "traces" / "azure-llm-2023" / "conv.csv"
-QUIET_SPREAD = 1.5   # the SLO's decode rounds differing more than this: a busy machine (logged)
+QUIET_SPREAD = 1.5   # the SLO's decode rounds differing more than this: a busy machine, measured again
+SLO_ATTEMPTS = 3
 
 
 def _checkpoint(name_or_dir: str) -> str:
@@ -115,22 +116,36 @@ def measured_slo(models: dict[str, str], args, threads: int) -> dict:
     import ray
 
     # Measured in a Ray worker process with one device's share of the cores, as the
-    # contenders' workers run (same scheduling priority, same share of a busy machine).
+    # contenders' workers run (same scheduling priority, same share of a busy machine). A
+    # measurement whose rounds disagree by more than QUIET_SPREAD (Ray's own start-up, right
+    # before it, slowed the first rounds 1.5-1.8x) is taken again, up to SLO_ATTEMPTS times;
+    # the quietest one is kept.
     remote = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(measure_step_times)
-    times = ray.get(remote.remote(largest, prompt_len=min(128, args.max_input), batch_size=4,
-                                  num_decode_steps=32, num_threads=threads,
-                                  device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None)))
+    attempts = []
+    for _ in range(SLO_ATTEMPTS):
+        times = ray.get(remote.remote(largest, prompt_len=min(128, args.max_input), batch_size=4,
+                                      num_decode_steps=32, num_threads=threads,
+                                      device=getattr(args, "device", None) or "cpu",
+                                      dtype=getattr(args, "dtype", None)))
+        attempts.append((_spread(times.decode_rounds_s), times))
+        if attempts[-1][0] <= QUIET_SPREAD:
+            break
+    spread, times = min(attempts, key=lambda a: a[0])
+    if spread > QUIET_SPREAD:
+        logger.warning("the SLO's decode step varied %.2fx between rounds (%s s) in each of %d measurements: "
+                       "the machine is not quiet", spread, ", ".join(f"{r:.4g}" for r in times.decode_rounds_s),
+                       len(attempts))
     slo = default_slo(times)
-    rounds = times.decode_rounds_s
-    spread = max(rounds) / min(rounds) if rounds and min(rounds) > 0 else None
-    if spread is not None and spread > QUIET_SPREAD:
-        logger.warning("the SLO's decode step varied %.2fx between rounds (%s s): the machine is not quiet",
-                       spread, ", ".join(f"{r:.4g}" for r in rounds))
-    return {"decode_spread": spread,"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
-            "derived_from": times.to_dict(), "tbt_factor": DEFAULT_TBT_FACTOR,
+    return {"ttft_s": args.slo_ttft or slo.ttft_s, "tbt_s": args.slo_tbt or slo.tbt_s,
+            "decode_spread": spread, "slo_attempts": len(attempts), "derived_from": times.to_dict(), "tbt_factor": DEFAULT_TBT_FACTOR,
             "ttft_factor": DEFAULT_TTFT_FACTOR,
             "rule": "TBT = tbt_factor x decode_s; TTFT = ttft_factor x (prefill_s + switch_s), "
                     "medians measured in a Ray worker with one device's share of the cores"}
+
+
+def _spread(rounds) -> float:
+    """max / min of a measurement's per-round decode steps (1.0: every round alike)."""
+    return max(rounds) / min(rounds) if rounds and min(rounds) > 0 else 1.0
 
 
 def scheduler_overrides(args) -> dict:
