@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from load_tests.search import SearchPlan, doubling_grid
@@ -134,8 +134,10 @@ class Preset:
 
 
 def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
-                  short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None) -> dict:
-    """Run everything and write the results; returns the summary."""
+                  short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None,
+                  models_sweep: bool = True) -> dict:
+    """Run everything and write the results; returns the summary. models_sweep=False leaves the
+    models sweep out of any preset."""
     from types import SimpleNamespace
 
     from cluster.ray_runtime import connect_or_start
@@ -147,6 +149,8 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     from scheduler.slo import SLO
 
     p = preset or (Preset.gpu(quick) if gpu else Preset.quick() if quick else Preset.short() if short else Preset())
+    if not models_sweep:
+        p = replace(p, models_sweep=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()

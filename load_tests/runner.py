@@ -88,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "by doubling until token misses, no ablations/models sweep)")
     p.add_argument("--gpu", action="store_true", help="--published: the GPU preset (8 copies of a 7B shape, "
                    "random bf16 weights, one CUDA device; tests/gpu/run.sh runs it)")
+    p.add_argument("--skip-models-sweep", action="store_true", help="--published: leave out the models "
+                   "sweep (~15 min; `--sweep models` measures it on its own with the same settings)")
     p.add_argument("--no-quota-cap", action="store_true",
                    help="token contender: Aegaeon's fixed Q_max, no cap at a multiple of the switch cost")
     p.add_argument("--no-overload-control", action="store_true",
@@ -119,7 +121,8 @@ def run(args) -> int:
         from load_tests.published import run_published
 
         summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
-                                readme=None if (args.gpu or args.quick) else "README.md")
+                                readme=None if (args.gpu or args.quick) else "README.md",
+                                models_sweep=not args.skip_models_sweep)
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0
     if args.rescore:
