@@ -135,8 +135,8 @@ class Preset:
 
 def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
                   short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None,
-                  models_sweep: bool = True) -> dict:
-    """Run everything and write the results; returns the summary. models_sweep=False leaves the
+                  sweep_models: bool = True) -> dict:
+    """Run everything and write the results; returns the summary. sweep_models=False leaves the
     models sweep out of any preset."""
     from types import SimpleNamespace
 
@@ -149,7 +149,7 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     from scheduler.slo import SLO
 
     p = preset or (Preset.gpu(quick) if gpu else Preset.quick() if quick else Preset.short() if short else Preset())
-    if not models_sweep:
+    if not sweep_models:
         p = replace(p, models_sweep=False)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,7 +122,7 @@ def run(args) -> int:
 
         summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
                                 readme=None if (args.gpu or args.quick) else "README.md",
-                                models_sweep=not args.skip_models_sweep)
+                                sweep_models=not args.skip_models_sweep)
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0
     if args.rescore:
