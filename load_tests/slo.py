@@ -15,7 +15,6 @@ below sit in that range; the report states the measured times and the factors.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -131,30 +130,19 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     return times
 
 
-def wait_for_quiet(max_wait_s: float = 30.0, busy_cores: float = 0.5, window_s: float = 1.0) -> float | None:
+def wait_for_quiet(max_wait_s: float = 30.0, busy_cores: float = 0.5, window_s: float = 1.0) -> float:
     """Wait (up to max_wait_s) until the host's CPUs were busy less than `busy_cores` cores'
-    worth over a window; returns the last window's busy cores (None where /proc/stat is not
-    readable). Step times that define an SLO are measured on a quiet machine: right after
-    Ray starts, its own processes kept a core busy for ~10-20 s here and the same decode step
-    measured 2.3 ms instead of 1.1."""
-    def busy_and_total() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
-        return sum(fields) - idle, sum(fields)
+    worth over a window (psutil's busy time: not idle, not waiting on I/O); returns the last
+    window's busy cores. Step times that define an SLO are measured on a quiet machine: right
+    after Ray starts, its own processes kept a core busy for ~10-20 s here and the same decode
+    step measured 2.3 ms instead of 1.1."""
+    import psutil
 
-    try:
-        before = busy_and_total()
-    except (OSError, ValueError, IndexError):
-        return None
-    ticks_per_s = os.sysconf("SC_CLK_TCK")
     deadline = time.monotonic() + max_wait_s
     while True:
-        time.sleep(window_s)
-        after = busy_and_total()
-        cores = (after[0] - before[0]) / ticks_per_s / window_s
+        cores = psutil.cpu_percent(interval=window_s) / 100.0 * (psutil.cpu_count() or 1)
         if cores < busy_cores or time.monotonic() >= deadline:
             return cores
-        before = after
 
 
 def _budget_for(model_path: str | Path) -> int:
