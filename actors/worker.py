@@ -25,6 +25,7 @@ import time
 from actors.engine import Engine, EngineConfig
 from actors.frame_stream import FrameBuffer, error_frame
 from actors.handoff import HandoffRelay, KVHandoff
+from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
@@ -195,13 +196,16 @@ class DeviceWorker:
         self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
         self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
         self.started = time.time()
+        freeze_heap()   # torch, Ray, the KV pool: no collector pass walks them while streams wait (actors/heap.py)
 
     async def ready(self) -> str:
         self.loop = asyncio.get_running_loop()
         return self.worker_id
 
     async def register_model(self, name: str, path: str) -> RegisteredModel:
-        return await self._on_engine(self.engine.register_model, name, path)
+        registered = await self._on_engine(self.engine.register_model, name, path)
+        freeze_heap(collect=False)   # the model's long-lived state joins the frozen heap
+        return registered
 
     async def unregister_model(self, name: str) -> None:
         await self._on_engine(self.engine.unregister_model, name)

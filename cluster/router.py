@@ -30,6 +30,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from actors.heap import freeze_heap
 from cluster.control_metrics import RouterMetrics
 from scheduler.messages import ROUTER_NAME, DecodeTarget, LoadReport, RouterStatus, WorkerStats
 from scheduler.placement import PlacementPlan, observed_load
@@ -69,6 +70,7 @@ class GlobalRouter:
         self._poller: asyncio.Task | None = None
         self._metrics = RouterMetrics()
         self._has_workers: asyncio.Event | None = None   # made on the actor's loop (see _workers_added)
+        freeze_heap()   # every request passes through here: no long collector pauses (actors/heap.py)
 
     # ---- membership ------------------------------------------------------------------
 

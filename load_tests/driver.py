@@ -27,6 +27,7 @@ import random
 import time
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
+from actors.heap import freeze_heap
 from load_tests.metrics import RequestRecord
 from load_tests.workloads import TraceRequest, Workload
 from scheduler.messages import OutputFrame
@@ -226,6 +227,9 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(todo), desc="requests", unit="req", disable=not progress)
+    # the client stamps every token: a collector pass over the records of earlier runs (a
+    # published run keeps ~16k) must not pause it mid-run (actors/heap.py); before the clock starts
+    freeze_heap()
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
     clock = _Clock()

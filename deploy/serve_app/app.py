@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.serve.config import BackpressureConfig
 
+from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
 from scheduler.messages import ClusterStatus
 
@@ -78,6 +79,7 @@ class TokenmuxCluster:
         config = topology_config(self.args, self._models)
         await asyncio.to_thread(_kill_stale_topology)
         self._topology = await asyncio.to_thread(bring_up, config)
+        freeze_heap()
         logger.info("tokenmux cluster up: %d workers, models %s", len(self._topology.workers), sorted(self._models))
 
     def router(self) -> Any:
@@ -134,6 +136,7 @@ class TokenmuxIngress:
                                     stall_timeout_s=self.args.stall_timeout_s)
         self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
         self.core = self._openai_app.state.ingress
+        freeze_heap()   # the edge streams every token: no long collector pauses (actors/heap.py)
 
     async def _fresh_router(self) -> Any:
         return await self.cluster.router.remote()

@@ -31,6 +31,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from ray import serve
 
+from actors.heap import freeze_heap
 from scheduler.messages import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, OutputFrame
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,9 @@ class MultiplexedLLM:
 
         self._get_model = serve.multiplexed(
             max_num_models_per_replica=config.max_models_per_replica)(load)
+        # the same start-up heap freeze as tokenmux's own processes (actors/heap.py): the peer
+        # must not lose a comparison to collector pauses the other side is spared
+        freeze_heap()
 
     async def _load(self, name: str) -> LoadedModel:
         t0 = time.perf_counter()
