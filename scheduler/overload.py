@@ -30,8 +30,9 @@ prefill budget of
     P <= T0 * (1 / alpha - 1)
 
 and a new request is admitted (prefilled) only when its model's batch still fits the next
-round and its prefill fits what is left of this round's budget. The first prefill of a round
-may exceed the budget (a long prompt must not wait forever); whatever does not fit waits.
+round and its prefill fits what is left of this round's budget. One request of a full budget
+may exceed it (a long prompt must not wait forever), never a group of them; whatever does
+not fit waits.
 
 Everything here is a pure function of predicted step times and deadlines, so the rule is
 tested on its own and the simulator runs it unchanged.

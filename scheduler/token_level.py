@@ -144,7 +144,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             queued = {r.request_id for r in self.waiting.get(model, ())}
             ids = [rid for rid in self._reserved.pop(model) if rid in queued]
             if ids:
-                return model, ids
+                return model, self._within_credit(model, ids)
         # by TTFT deadline, those already late last until they are aged (see overload.priority)
         heads = sorted((q[0] for q in self.waiting.values() if q),
                        key=lambda r: (self._goes_last(r, now), self._ttft_key(r)))
@@ -169,12 +169,27 @@ class TokenLevelPolicy(SchedulingPolicy):
             prefill_s = self.estimator.predict_prefill(
                 model, sum(r.num_new_tokens for r in trial), len(trial))
             batch = self._load(model, now, extra=trial)
+            # a full bucket lets ONE request exceed it (a long prompt must not wait forever), never a
+            # group: a group of 8 long prompts in one prefill stalled every stream 30-120 ms
             if not admits(others + [batch], rule, prefill_s, self._prefill_credit_s,
-                          first_prefill=self._prefill_credit_s >= self._prefill_cap_s,
+                          first_prefill=not chosen and self._prefill_credit_s >= self._prefill_cap_s,
                           max_alpha=self.config.admit_alpha):
                 break
             chosen = trial
         return [r.request_id for r in chosen]
+
+    def _within_credit(self, model: str, ids: list[str]) -> list[str]:
+        """The longest prefix of a reserved group (the round took it in) whose prefill fits the
+        round's prefill credit; its first request always goes. The rest wait queued and join
+        their model's turn as the decode steps earn credit (`_joining`)."""
+        requests = [self.requests[rid] for rid in ids]
+        n, tokens = 1, requests[0].num_new_tokens
+        while n < len(requests):
+            tokens += requests[n].num_new_tokens
+            if self.estimator.predict_prefill(model, tokens, n + 1) > self._prefill_credit_s:
+                break
+            n += 1
+        return ids[:n]
 
     def _continue_group(self) -> SchedulerOutput | None:
         if self._group is None:

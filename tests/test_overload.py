@@ -230,3 +230,19 @@ def test_a_late_request_waits_last_only_until_it_is_aged(monkeypatch, late_age):
         assert max(ttft.values()) <= 2.0, sorted(ttft.values())[-5:]   # TTFT SLO 0.3 s: late, but not starved
     else:
         assert ttft["late-b"] > 5.0 and sorted(ttft.values())[len(ttft) // 2] > 5.0
+
+
+def test_a_burst_of_long_prompts_is_prefilled_within_the_budget_not_as_one_stalling_group():
+    # a streams alone (a round of 4 steps, 0.04 s: alpha 0.2, prefill budget 0.04 x (1/0.2 - 1)
+    # = 0.16 s); then 8 prompts of 300 tokens of b arrive at once (0.035 s of prefill each).
+    # As one group (0.245 s) they would hold a's next token past its round's budget; within
+    # the budget (one request may exceed it, never a group) a's longest gap stays inside it
+    arrivals = [(0.0, _req("a0", "a", 0.0, max_tokens=80))]
+    arrivals += [(0.1, _req(f"b{i}", "b", 0.1, max_tokens=10, prompt=300, ttft=2.0)) for i in range(8)]
+    engine, _ = _drive(_policy(), arrivals)
+    done = {r.request_id: r for out in engine.trace for r in out.requests}
+    times = done["a0"].token_times
+    assert max(b - a for a, b in zip(times, times[1:])) <= 0.16 + STEP + 1e-9
+    assert (times[-1] - times[0]) / (len(times) - 1) <= 0.05
+    prefills = [out for out in engine.trace if out.is_prefill and out.model == "b"]
+    assert len(prefills) > 1   # the rest went in as a's steps earned room for them
