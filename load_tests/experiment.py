@@ -122,18 +122,20 @@ class Session:
         return self.contender.name
 
     def __enter__(self) -> "Session":
+        """The contender starts (and warms up) at the first point not already in the
+        records, so a run resumed from its records starts nothing it does not measure."""
         self.loop = asyncio.new_event_loop()
+        return self
+
+    def _start(self) -> None:
+        if self.target is not None:
+            return
         self.target = self.contender.start(self.experiment.deployment)
-        try:
-            self.warm_up_errors = self.loop.run_until_complete(
-                warm_up(self.target, list(self.experiment.deployment.models)))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
+        self.warm_up_errors = self.loop.run_until_complete(
+            warm_up(self.target, list(self.experiment.deployment.models)))
         bad = {m: e for m, e in self.warm_up_errors.items() if e}
         if bad:
             logger.warning("%s: warm-up failed for %s", self.name, bad)
-        return self
 
     def __exit__(self, *exc) -> None:
         try:
@@ -166,6 +168,7 @@ class Session:
         return find_max_rate(lambda r: self.point(trace, r), plan, known)
 
     def _drive(self, workload: Workload, seed: int) -> list[RequestRecord]:
+        self._start()
         settings = self.experiment.settings
         if getattr(self.contender, "sequential_by_model", False):
             return self._drive_by_model(workload, seed)

@@ -20,7 +20,9 @@ What it runs, on this machine, each contender alone on the cores (load_tests/exp
   request     that grid plus its own search and bisection (so "never below" compares like
               rates)
   multiplexed Ray Serve @serve.multiplexed at max_ongoing_requests 1, 2, 8: searched up from
-              the start rate (a configuration that misses there is "never reaches 90% even at")
+              the start rate; one that misses there is measured once more at start/4 (where
+              nearly every request meets an idle replica), and bisected if it meets 90% there,
+              else it "never reaches 90% even at" that rate
   ablations   token without the quota cap, without overload control: at token's bracket and
               the grid above half of it, where overload starts (bursty trace)
   dedicated   12 devices (one per model), at the highest rate token met the threshold
@@ -37,6 +39,12 @@ It writes docs/results/loadtest-{bursty,poisson,models}.json, the records of eve
 (loadtest-records.jsonl.gz, enough to re-score: `tokenmux loadtest --rescore FILE`),
 attainment-vs-rate and latency-CDF plots, loadtest-report.md, and refreshes the README's
 load-test table between its markers.
+
+`--resume` continues a run from its records (a crash, or a contender or search step added
+since): the SLO is the one the records were scored under (never measured again), a point
+already recorded is never measured again, and a contender with nothing left to measure is
+not even started. The preset's fields that shape a point must match the records' (else an
+error names them); the run time adds up over the invocations.
 """
 from __future__ import annotations
 
@@ -51,6 +59,11 @@ from load_tests.search import SearchPlan, doubling_grid
 logger = logging.getLogger(__name__)
 
 MUXES = ("multiplexed-1", "multiplexed-2", "multiplexed-8")
+RECORDS = "loadtest-records.jsonl.gz"
+# the preset fields a measured point depends on: a resumed run must keep them
+POINT_SHAPING = ("models", "checkpoint", "slots", "threads", "seeds", "max_requests", "start_fraction",
+                 "request_timeout_factor", "settle_s", "idle_skip_s", "max_input", "max_output", "kv_mb",
+                 "device", "dtype")
 ABLATIONS = ("token-no-cap", "token-no-overload")
 
 
@@ -69,7 +82,8 @@ class Preset:
     # start rate of each trace as a fraction of the service rate mu (see the module docstring):
     # low enough that request-level still meets the threshold there on this machine
     start_fraction: dict = field(default_factory=lambda: {"bursty": 0.015, "poisson": 0.1})
-    probe_down: float = 4.0  # token and request halve down to start / this when the start misses
+    probe_down: float = 4.0  # token and request halve down to start / this when the start misses;
+    # the Serve peer steps there at once
     contenders: tuple[str, ...] = ("token", "request", *MUXES, *ABLATIONS, "dedicated")
     ablation_traces: tuple[str, ...] = ("bursty",)
     model_rate: float = 0.1  # req/s per model in the models sweep
@@ -135,9 +149,10 @@ class Preset:
 
 def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
                   short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None,
-                  sweep_models: bool = True) -> dict:
+                  sweep_models: bool = True, resume: bool = False) -> dict:
     """Run everything and write the results; returns the summary. sweep_models=False leaves the
-    models sweep out of any preset."""
+    models sweep out of any preset; resume=True continues from out_dir's records (module
+    docstring)."""
     from types import SimpleNamespace
 
     from cluster.ray_runtime import connect_or_start
@@ -158,9 +173,10 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
                            input_scale=0.125, output_scale=0.25, max_input=p.max_input, max_output=p.max_output,
                            seed=0, kv_mb=p.kv_mb, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None,
                            device=p.device, dtype=p.dtype)
+    previous = resumable(out / RECORDS, p, vars(args)) if resume else None
     connect_or_start(num_virtual_gpus=1, log_to_driver=False)
     models = served_models(str(p.models), p.checkpoint)
-    slo_info = measured_slo(models, args, p.threads)
+    slo_info = previous.run["slo"] if previous else measured_slo(models, args, p.threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
     logger.info("SLO: TTFT %.4g s, TBT %.4g s, from %s", slo.ttft_s, slo.tbt_s, slo_info["derived_from"])
     timeout = max(2.0, p.request_timeout_factor * (slo.ttft_s + args.max_output * slo.tbt_s))
@@ -168,6 +184,9 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
                            idle_skip_s=p.idle_skip_s)
     deployment = Deployment(models, 1, engine_config(models, args), p.threads, slo)
     ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric)
+    if previous:
+        ex.records.points = previous.points
+        logger.info("resuming from %s: %d points recorded", out / RECORDS, len(previous.points))
     traces = [t for t in (TraceSpec("bursty", "gamma", 4.0), TraceSpec("poisson", "poisson")) if t.name in p.traces]
     ex.records.run = {"preset": _asdict(p), "slo": slo_info, "request_timeout_s": timeout,
                       "deployment": {"models": models, "num_workers": 1, "threads_per_worker": p.threads,
@@ -186,10 +205,10 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
         logger.info("phase %s done in %.0f s", name, timings[name])
         return result
 
-    def plan(rate: float, down: bool = True) -> SearchPlan:
+    def plan(rate: float) -> SearchPlan:
         top = rate * p.max_rate_factor if p.max_rate_factor else None
         return SearchPlan(start=rate, threshold=p.threshold, resolution=p.resolution, max_rate=top,
-                          min_rate=rate / p.probe_down if down else rate)
+                          min_rate=rate / p.probe_down)
 
     # token first: its search sets the grid every other contender shares
     grids: dict[str, list[float]] = {}
@@ -225,19 +244,53 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
                     lo = token.get("lo") or starts[t.name]
                     rates = sorted({r for r in grids[t.name] if r >= lo / 2} | {lo, token.get("hi") or lo})
                     phase(f"{name}/{t.name}", lambda: [s.point(t, r) for r in rates])
-                else:   # request: the shared grid, then its own search; the Serve peer: from the start only
-                    also = grids[t.name] if name == "request" else ()
-                    down = name == "request"
-                    res = phase(f"{name}/{t.name}", lambda: s.search(t, plan(starts[t.name], down), also=also))
+                elif name == "request":   # the shared grid, then its own search
+                    res = phase(f"{name}/{t.name}", lambda: s.search(t, plan(starts[t.name]), also=grids[t.name]))
                     plans[t.name][name] = {"lo": res.lo, "hi": res.hi}
-        write_records(out / "loadtest-records.jsonl.gz", ex.records)   # progress survives a crash
+                else:   # the Serve peer: up from the start, or one step down to start / probe_down
+                    peer = replace(plan(starts[t.name]), down_factor=p.probe_down)
+                    res = phase(f"{name}/{t.name}", lambda: s.search(t, peer))
+                    plans[t.name][name] = {"lo": res.lo, "hi": res.hi}
+        write_records(out / RECORDS, ex.records)   # progress survives a crash (--resume)
     models_result = phase("models", lambda: models_sweep(p, args, settings, slo, out)) if p.models_sweep else None
-    write_records(out / "loadtest-records.jsonl.gz", ex.records)
     elapsed = time.time() - t_start
+    if previous:   # the run time and phases add up over the invocations
+        before = previous.run["meta"]
+        elapsed += before.get("elapsed_s", 0.0)
+        for key, value in before.get("phase_s", {}).items():
+            timings[key] = round(timings.get(key, 0.0) + value, 1)
+        ex.records.run["resumed"] = previous.run.get("resumed", 0) + 1
+    ex.records.run["meta"] = {"elapsed_s": round(elapsed, 1), "phase_s": timings}
+    write_records(out / RECORDS, ex.records)
     meta = {"elapsed_s": round(elapsed, 1), "phase_s": timings, "service_rate_rps": mu, "start_rates": starts,
             "grids": grids, "fixed_grids": fixed_grids, "searches": plans, "descriptions": descriptions,
             "devices": {c: deployment.devices(c) for c in p.contenders}}
     return write_outputs(ex.records, slo, out, meta=meta, models=models_result, readme=readme)
+
+
+def resumable(path: Path, p: Preset, workload: dict):
+    """The records of a run to resume with preset `p`: every field that shapes a measured
+    point must match (a ValueError names those that do not)."""
+    import json
+
+    from load_tests.records import read_records
+
+    previous = read_records(path)
+    if "slo" not in previous.run or "preset" not in previous.run:
+        raise ValueError(f"{path}: no run header (SLO and preset): not a published run's records")
+    stored = previous.run["preset"]
+    now = json.loads(json.dumps(_asdict(p), default=str))
+    differ = [k for k in POINT_SHAPING if stored.get(k) != now[k]]
+    stored_workload = previous.run.get("workload", {})
+    differ += [f"workload.{k}" for k, v in json.loads(json.dumps(workload, default=str)).items()
+               if stored_workload.get(k) != v]
+    if differ:
+        raise ValueError(f"cannot resume from {path}: the preset differs from the records' in {differ}")
+    if "meta" not in previous.run:   # records written before the run header kept its run time
+        summary = path.parent / "loadtest-summary.json"
+        meta = json.loads(summary.read_text()).get("meta", {}) if summary.is_file() else {}
+        previous.run["meta"] = {k: meta[k] for k in ("elapsed_s", "phase_s") if k in meta}
+    return previous
 
 
 def grid_until_miss(point, fractions, mu: float, threshold: float, max_fraction: float | None) -> list[float]:

@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "random bf16 weights, one CUDA device; tests/gpu/run.sh runs it)")
     p.add_argument("--skip-models-sweep", action="store_true", help="--published: leave out the models "
                    "sweep (~15 min; `--sweep models` measures it on its own with the same settings)")
+    p.add_argument("--resume", action="store_true", help="--published: continue the run whose records are in "
+                   "--out (its SLO, its measured points; only what is missing is measured)")
     p.add_argument("--no-quota-cap", action="store_true",
                    help="token contender: Aegaeon's fixed Q_max, no cap at a multiple of the switch cost")
     p.add_argument("--no-overload-control", action="store_true",
@@ -122,7 +124,7 @@ def run(args) -> int:
 
         summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
                                 readme=None if (args.gpu or args.quick) else "README.md",
-                                sweep_models=not args.skip_models_sweep)
+                                sweep_models=not args.skip_models_sweep, resume=args.resume)
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0
     if args.rescore:
@@ -180,13 +182,13 @@ def run(args) -> int:
         with ex.session(name) as session:
             notes += session.contender.notes(deployment)
             descriptions[name] = session.contender.describe(deployment)
-            warm[name] = {m: e for m, e in session.warm_up_errors.items() if e}
             if args.search and "rate" in args.sweep:
                 session.search(trace, SearchPlan(start=ref_rate, threshold=args.threshold,
                                                  resolution=args.resolution))
             else:
                 for rate in rates:
                     session.point(trace, rate)
+            warm[name] = {m: e for m, e in session.warm_up_errors.items() if e}   # started at its first point
     ex.records.run = {"slo": slo_info, "deployment": {"models": deployment.models, "num_workers": args.workers,
                                                       "threads_per_worker": threads, "engine": deployment.engine},
                       "workload": {"trace": args.trace, "arrival": args.arrival, "cv": args.cv,

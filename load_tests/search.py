@@ -2,8 +2,8 @@
 
 Start at `start`. If the mean attainment there meets the threshold, multiply the rate by
 `factor` until it does not (or `max_rate` is passed: the answer is then only a lower
-bound); if it already misses, divide until it meets (or `min_rate` is passed: "never
-reaches the threshold even at the lowest rate tried"). Then bisect the bracket
+bound); if it already misses, divide (by `down_factor`, default `factor`) until it meets
+(or `min_rate` is passed: "never reaches the threshold even at the lowest rate tried"). Then bisect the bracket
 geometrically until its ends are within `resolution` of each other (1.1: the max rate is
 known to 10%). Rates already measured (`known`) are reused, never measured twice.
 
@@ -25,6 +25,7 @@ class SearchPlan:
     resolution: float = 1.1  # stop when hi / lo <= this
     min_rate: float | None = None  # lowest rate to go down to (None: the start)
     max_rate: float | None = None  # highest rate to go up to (None: unbounded)
+    down_factor: float | None = None  # step when dividing down from a missed start (None: factor)
 
     def __post_init__(self) -> None:
         if not self.start > 0:
@@ -39,6 +40,8 @@ class SearchPlan:
             raise ValueError(f"min_rate must be in (0, start], got {self.min_rate!r}")
         if self.max_rate is not None and not self.max_rate >= self.start:
             raise ValueError(f"max_rate must be >= start, got {self.max_rate!r}")
+        if self.down_factor is not None and not self.down_factor > 1:
+            raise ValueError(f"down_factor must be > 1, got {self.down_factor!r}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def find_max_rate(measure: Callable[[float], float], plan: SearchPlan,
         hi = rate
         floor = plan.min_rate if plan.min_rate is not None else plan.start
         while True:
-            down = rate / plan.factor
+            down = rate / (plan.down_factor or plan.factor)
             if down < floor * (1 - eps):
                 return SearchResult(None, _round(hi), tuple(visited))
             if ok(down):

@@ -7,6 +7,7 @@ this proves the harness measures, not how fast anything is.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,8 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
     assert loose["goodput"]["mean"] >= data["contenders"]["request"]["points"]["16.0"]["goodput"]["mean"]
 
 
-def test_published_quick_run_writes_every_file(ray_session, zoo_model, tmp_path):
+def test_published_quick_run_writes_every_file_and_resumes_from_its_records(ray_session, zoo_model, tmp_path,
+                                                                          monkeypatch):
     from load_tests.published import run_published
 
     zoo_model("llama-tiny-a")
@@ -200,3 +202,21 @@ def test_published_quick_run_writes_every_file(ray_session, zoo_model, tmp_path)
     assert "max_models_per_worker_at_90" in summary
     assert (out / "loadtest-records.jsonl.gz").stat().st_size > 0
     assert "token_vs_request_rate" in readme.read_text()
+    # --resume: the records' SLO and points are kept; nothing is measured or even started again
+    from load_tests.experiment import Session
+    from load_tests.published import Preset
+    from load_tests.records import read_records
+
+    before = read_records(out / "loadtest-records.jsonl.gz")
+
+    def no_start(self):
+        raise AssertionError(f"{self.name} started on resume with every point recorded")
+
+    monkeypatch.setattr(Session, "_start", no_start)
+    again = run_published(out, quick=True, readme=None, sweep_models=False, resume=True)
+    after = read_records(out / "loadtest-records.jsonl.gz")
+    assert after.run["slo"] == before.run["slo"] and after.points.keys() == before.points.keys()
+    assert after.run["resumed"] == 1 and again["meta"]["elapsed_s"] >= summary["meta"]["elapsed_s"]
+    assert again["traces"]["bursty"]["token_vs_request_rate"] == summary["traces"]["bursty"]["token_vs_request_rate"]
+    with pytest.raises(ValueError, match="max_requests"):
+        run_published(out, preset=replace(Preset.quick(), max_requests=9), readme=None, resume=True)

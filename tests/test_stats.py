@@ -91,6 +91,24 @@ def test_search_brackets_then_bisects_to_the_resolution():
         SearchPlan(start=1.0, resolution=1.0)
 
 
+
+def test_a_missed_start_can_step_down_once_by_a_larger_factor():
+    # the Serve peer's plan: one jump to start / 4, never the halving points between
+    seen = []
+
+    def never(rate):
+        seen.append(rate)
+        return 0.5
+
+    res = find_max_rate(never, SearchPlan(start=0.8, min_rate=0.2, down_factor=4.0))
+    assert seen == [0.8, 0.2] and (res.lo, res.hi) == (None, 0.2)
+    # met down there: the bracket [start / 4, start] is bisected to the resolution
+    res = find_max_rate(lambda r: 1.0 if r <= 0.5 else 0.0,
+                        SearchPlan(start=0.8, min_rate=0.2, down_factor=4.0))
+    assert res.lo <= 0.5 < res.hi and res.hi / res.lo <= 1.1 * 1.001
+    with pytest.raises(ValueError, match="down_factor"):
+        SearchPlan(start=1.0, down_factor=1.0)
+
 def test_doubling_grid_reaches_the_top():
     assert doubling_grid(1.5, 10.0) == [1.5, 3.0, 6.0, 12.0]
     assert doubling_grid(2.0, 2.0) == [2.0]
