@@ -35,13 +35,13 @@ class SlowEngine:
 def test_open_loop_arrivals_do_not_wait_for_completions():
     engine = SlowEngine(token_s=0.4)  # each request takes 1.2 s
     w = workload(8, gap_s=0.05)
-    t0 = time.perf_counter()
     records = asyncio.run(run(CallableTarget(engine), w))
-    elapsed = time.perf_counter() - t0
+    done = time.perf_counter()
     sends = sorted(engine.sent.values())
-    # every request went out on schedule, long before the first one finished
-    assert sends[-1] - t0 < 0.35 + 0.2
-    assert elapsed < 1.2 + 0.35 + 0.8  # concurrent, not 8 x 1.2 s
+    # every request went out on schedule, long before the first one finished (timed from the
+    # first send: before its clock starts the driver runs a collector pass, actors/heap.py)
+    assert sends[-1] - sends[0] < 0.35 + 0.2
+    assert done - sends[0] < 1.2 + 0.35 + 0.8  # concurrent, not 8 x 1.2 s
     assert all(r.ok and r.num_output_tokens == 3 for r in records)
     assert [r.arrival for r in records] == [r.arrival_s for r in w]
     for r in records:
