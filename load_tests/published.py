@@ -20,9 +20,8 @@ What it runs, on this machine, each contender alone on the cores (load_tests/exp
   request     that grid plus its own search and bisection (so "never below" compares like
               rates)
   multiplexed Ray Serve @serve.multiplexed at max_ongoing_requests 1, 2, 8: searched up from
-              the start rate; one that misses there is measured once more at start/4 (where
-              nearly every request meets an idle replica), and bisected if it meets 90% there,
-              else it "never reaches 90% even at" that rate
+              the start rate; one that misses there is measured once more at start/4, and
+              bisected to 10% if it meets 90% there, else it "never reaches 90% even at" start/4
   ablations   token without the quota cap, without overload control: at token's bracket and
               the grid above half of it, where overload starts (bursty trace)
   dedicated   12 devices (one per model), at the highest rate token met the threshold
