@@ -2,7 +2,8 @@
 
     Engine.step() -> recorder.on_step(output, switch_s, start)      hot path: appends and adds
     flusher thread -> engine_loop.call(take_sample, engine)         once a second, between steps
-                   -> export_sample(sample, exporter)               ray.util.metrics, off the engine thread
+                   -> export_sample(merged samples, exporter)       ray.util.metrics, off the engine thread,
+                                                                    as often as Ray exports (10 s)
 
 `on_step` reads what a step left on its requests (the token just appended and its time) and
 only appends floats to lists and adds to ints of a per-model accumulator: no Ray call, no
@@ -50,6 +51,17 @@ class ModelAccumulator:
         self.swap_wait_s = self.busy_s = 0.0
         self.finished: dict[str, int] = {}
 
+    def merge(self, later: "ModelAccumulator") -> "ModelAccumulator":
+        """Add a later accumulator of the same model into this one; returns self."""
+        for name in ("ttft", "itl", "e2e", "turns", "handoff_s"):
+            getattr(self, name).extend(getattr(later, name))
+        for name in ("prompt_tokens", "generation_tokens", "switches", "prefetch_hits", "handoffs", "handoffs_kept",
+                     "handoff_bytes", "swap_wait_s", "busy_s"):
+            setattr(self, name, getattr(self, name) + getattr(later, name))
+        for reason, n in later.finished.items():
+            self.finished[reason] = self.finished.get(reason, 0) + n
+        return self
+
 
 @dataclass
 class EngineSample:
@@ -64,6 +76,22 @@ class EngineSample:
     swaps: dict[str, int]            # weight copies per model since the previous sample
     swap_bytes: dict[str, int]
     wall_s: float = field(default=0.0)   # seconds this sample covers
+
+    def merge(self, later: "EngineSample") -> "EngineSample":
+        """One sample covering this one and the `later` one that follows it: deltas add up,
+        gauges (queues, KV usage, alpha, quotas) are the later one's. Consumes both."""
+        models = self.models
+        for model, acc in later.models.items():
+            mine = models.get(model)
+            models[model] = acc if mine is None else mine.merge(acc)
+        swaps, swap_bytes = dict(self.swaps), dict(self.swap_bytes)
+        for model, n in later.swaps.items():
+            swaps[model] = swaps.get(model, 0) + n
+        for model, n in later.swap_bytes.items():
+            swap_bytes[model] = swap_bytes.get(model, 0) + n
+        return EngineSample(models=models, running=later.running, waiting=later.waiting, kv_usage=later.kv_usage,
+                            alpha=later.alpha, quotas=later.quotas, swaps=swaps, swap_bytes=swap_bytes,
+                            wall_s=self.wall_s + later.wall_s)
 
 
 class EngineRecorder:

@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
         "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--overhead-repeats", "2", "--threads", "1",
-        "--metrics-pairs", "2"]
+        "--metrics-pairs", "2", "--metrics-window", "1"]
 
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

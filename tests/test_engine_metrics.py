@@ -181,3 +181,42 @@ def test_histograms_are_exported_as_prometheus_bucket_series_in_one_call_per_ser
     assert buckets["0.025"] == 2501 and buckets["10.0"] == 2501 and buckets["+Inf"] == 3001
     assert last[(name + "_count", None)] == 3001
     assert last[(name + "_sum", None)] == pytest.approx(500 * (0.0005 + 0.001 + 0.006 + 0.02 + 99.0) + 0.003)
+
+
+class _SyncLoop:
+    """EngineLoop.call run on the caller's thread (the engine is idle between the test's runs)."""
+
+    def call(self, fn, *args):
+        import concurrent.futures
+
+        done = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done
+
+
+def test_the_worker_samples_every_flush_but_exports_merged_samples_at_the_export_interval(engine):
+    from actors.worker_metrics import WorkerMetrics
+
+    out = RecordingExporter()
+    engine.metrics.take(engine)   # start clean
+    metrics = WorkerMetrics("w0-cpu0", engine, _SyncLoop(), 1, interval_s=3600.0, exporter=out,
+                            export_interval_s=3600.0)
+    try:
+        for i in range(3):   # three flushes between two exports
+            _run(engine, [_req(f"m{i}-{m}", m, 5) for m in ("a", "b")])
+            metrics.flush()
+            assert metrics.summary()["generation_tokens"] == (i + 1) * 2 * 5   # the live view: every flush
+        assert out.calls == [] and metrics.num_exports == 0
+        metrics.flush(export=True)
+        assert metrics.num_exports == 1
+        for m in ("a", "b"):   # nothing lost in the merge: counters add up, histograms get every value
+            assert out.total("tokenmux_generation_tokens_total", model=m) == 3 * 5
+            assert out.total("tokenmux_request_success_total", model=m, finished_reason="length") == 3
+            assert out.count("tokenmux_time_to_first_token_seconds", model=m) == 3
+            assert out.count("tokenmux_inter_token_latency_seconds", model=m) == 3 * 4
+        assert out.total("tokenmux_num_requests_running") == 0   # gauges: the latest sample's
+        _run(engine, [_req("last", "a", 3)])
+        metrics.flush(export=False)
+    finally:
+        metrics.stop()   # exports what the last interval recorded
+    assert out.total("tokenmux_generation_tokens_total", model="a") == 3 * 5 + 3

@@ -191,7 +191,7 @@ def _metrics_overhead(args, device, cache, zoo) -> dict:
                                         device=device, dtype=args.dtype, num_slots=args.overhead_models + 1,
                                         requests_per_model=args.overhead_requests, new_tokens=4 * args.overhead_tokens,
                                         prompt_tokens=args.prompt_tokens, host_cache=cache, pairs=args.metrics_pairs,
-                                        kernels=args.kernels)
+                                        window_s=args.metrics_window, kernels=args.kernels)
     finally:
         _free(device)
 

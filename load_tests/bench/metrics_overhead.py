@@ -4,9 +4,10 @@ The engine runs as a DeviceWorker runs it: on an EngineLoop thread (actors/worke
 kept busy with a constant load (every model always has `requests_per_model` requests in
 flight: each one that finishes is replaced at once), with the worker's metrics thread
 (actors/worker_metrics.py) taking a sample between steps every `flush_interval_s` and
-exporting it through `ray.util.metrics` to a Ray started for this section (so the Ray calls
-cost what they cost in a worker). Recording is switched on and off in alternating windows
-of `window_s` seconds of the same run ("off": a NullRecorder and no flushes), the order
+exporting the merged samples through `ray.util.metrics` as often as Ray reports metrics (to a
+Ray started for this section with its defaults, so the Ray calls cost what they cost in a
+worker). Recording is switched on and off in alternating windows of `window_s` seconds of
+the same run (default: the export interval, so every "on" window holds one export) ("off": a NullRecorder and no flushes), the order
 flipped every pair, so the machine's other load, which drifts over seconds, hits both sides
 of a pair alike.
 
@@ -125,7 +126,7 @@ def _ci(values: list[float], seed: int = 0, rounds: int = 2000) -> tuple[float, 
 
 def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dtype: str | None, num_slots: int,
                              requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache,
-                             pairs: int = 15, window_s: float = 2.0, flush_interval_s: float = 1.0,
+                             pairs: int = 15, window_s: float | None = None, flush_interval_s: float = 1.0,
                              kernels: str = "fast") -> dict:
     import ray
 
@@ -149,6 +150,7 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
     load = _ConstantLoad(engine, list(paths), prompts, new_tokens)
     loop = EngineLoop(engine, load.deliver)
     metrics = WorkerMetrics("bench-gpu0", engine, loop, torch.get_num_threads(), flush_interval_s)
+    window_s = window_s or metrics.export_interval_s
     switch = _SwitchableFlush(metrics)
     metrics._thread.tick = switch
     try:
@@ -184,7 +186,9 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
         "metrics_mean_step_ms": 1e3 * on_step_s / sum(w["steps"] for w in ons),
         "metrics_tokens_per_s": sum(w["tokens"] for w in ons) / sum(w["wall_s"] for w in ons),
         "metrics_setup": {"models": sorted(paths), "num_slots": num_slots, "requests_per_model": requests_per_model,
-                          "new_tokens": new_tokens, "flush_interval_s": flush_interval_s, "window_s": window_s,
+                          "new_tokens": new_tokens, "flush_interval_s": flush_interval_s,
+                          "export_interval_s": metrics.export_interval_s, "exports": metrics.num_exports,
+                          "window_s": window_s,
                           "measure": "alternating on/off windows of one run; median of per-pair ratios; "
                                      "CI: bootstrap of the median, seed 0"},
     }

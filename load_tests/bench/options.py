@@ -32,7 +32,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-repeats", type=int, default=5,
                         help="timed runs of the overhead section (mean and 95%% interval reported)")
     parser.add_argument("--metrics-pairs", type=int, default=15,
-                        help="alternating on/off windows (2 s each) of the metrics section")
+                        help="alternating on/off window pairs of the metrics section")
+    parser.add_argument("--metrics-window", type=float,
+                        help="seconds per window of the metrics section (default: Ray's metrics export "
+                             "interval, 10 s, so every window with recording on holds one export)")
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")
     parser.add_argument("--shape-sections", help="sections for the --shapes models (default: --sections)")
@@ -53,6 +56,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.metrics_window is not None and not args.metrics_window > 0:
+        raise ValueError(f"--metrics-window must be > 0, got {args.metrics_window}")
     if args.max_seconds is not None and args.max_seconds <= 0:
         raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     if args.threads is not None and args.threads < 1:
