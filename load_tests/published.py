@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 MUXES = ("multiplexed-1", "multiplexed-2", "multiplexed-8")
 RECORDS = "loadtest-records.jsonl.gz"
+RUN_TIME = ("elapsed_s", "phase_s")   # the meta a resumed run adds up (kept in the records' header)
 # the preset fields a measured point depends on: a resumed run must keep them
 POINT_SHAPING = ("models", "checkpoint", "slots", "threads", "seeds", "max_requests", "start_fraction",
                  "request_timeout_factor", "settle_s", "idle_skip_s", "max_input", "max_output", "kv_mb",
@@ -259,11 +260,11 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
         for key, value in before.get("phase_s", {}).items():
             timings[key] = round(timings.get(key, 0.0) + value, 1)
         ex.records.run["resumed"] = previous.run.get("resumed", 0) + 1
-    ex.records.run["meta"] = {"elapsed_s": round(elapsed, 1), "phase_s": timings}
-    write_records(out / RECORDS, ex.records)
     meta = {"elapsed_s": round(elapsed, 1), "phase_s": timings, "service_rate_rps": mu, "start_rates": starts,
             "grids": grids, "fixed_grids": fixed_grids, "searches": plans, "descriptions": descriptions,
             "devices": {c: deployment.devices(c) for c in p.contenders}}
+    ex.records.run["meta"] = {k: meta[k] for k in RUN_TIME}
+    write_records(out / RECORDS, ex.records)
     return write_outputs(ex.records, slo, out, meta=meta, models=models_result, readme=readme)
 
 
@@ -277,18 +278,19 @@ def resumable(path: Path, p: Preset, workload: dict):
     previous = read_records(path)
     if "slo" not in previous.run or "preset" not in previous.run:
         raise ValueError(f"{path}: no run header (SLO and preset): not a published run's records")
-    stored = previous.run["preset"]
-    now = json.loads(json.dumps(_asdict(p), default=str))
+    def as_stored(value: dict) -> dict:   # as the header's JSON holds it (tuples are lists there)
+        return json.loads(json.dumps(value, default=str))
+
+    stored, now = previous.run["preset"], as_stored(_asdict(p))
     differ = [k for k in POINT_SHAPING if stored.get(k) != now[k]]
     stored_workload = previous.run.get("workload", {})
-    differ += [f"workload.{k}" for k, v in json.loads(json.dumps(workload, default=str)).items()
-               if stored_workload.get(k) != v]
+    differ += [f"workload.{k}" for k, v in as_stored(workload).items() if stored_workload.get(k) != v]
     if differ:
         raise ValueError(f"cannot resume from {path}: the preset differs from the records' in {differ}")
     if "meta" not in previous.run:   # records written before the run header kept its run time
         summary = path.parent / "loadtest-summary.json"
         meta = json.loads(summary.read_text()).get("meta", {}) if summary.is_file() else {}
-        previous.run["meta"] = {k: meta[k] for k in ("elapsed_s", "phase_s") if k in meta}
+        previous.run["meta"] = {k: meta[k] for k in RUN_TIME if k in meta}
     return previous
 
 

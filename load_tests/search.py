@@ -3,9 +3,9 @@
 Start at `start`. If the mean attainment there meets the threshold, multiply the rate by
 `factor` until it does not (or `max_rate` is passed: the answer is then only a lower
 bound); if it already misses, divide (by `down_factor`, default `factor`) until it meets
-(or `min_rate` is passed: "never reaches the threshold even at the lowest rate tried"). Then bisect the bracket
-geometrically until its ends are within `resolution` of each other (1.1: the max rate is
-known to 10%). Rates already measured (`known`) are reused, never measured twice.
+(or `min_rate` is passed: "never reaches the threshold even at the lowest rate tried").
+Then bisect the bracket geometrically until its ends are within `resolution` of each other
+(1.1: the max rate is known to 10%). Rates already measured (`known`) are reused, never measured twice.
 
 `measure(rate)` runs every seed at that rate and returns their mean attainment; the caller
 keeps the records. Pure logic: the same search drives real runs and its unit tests.

@@ -91,7 +91,6 @@ def test_search_brackets_then_bisects_to_the_resolution():
         SearchPlan(start=1.0, resolution=1.0)
 
 
-
 def test_a_missed_start_can_step_down_once_by_a_larger_factor():
     # the Serve peer's plan: one jump to start / 4, never the halving points between
     seen = []
@@ -108,6 +107,7 @@ def test_a_missed_start_can_step_down_once_by_a_larger_factor():
     assert res.lo <= 0.5 < res.hi and res.hi / res.lo <= 1.1 * 1.001
     with pytest.raises(ValueError, match="down_factor"):
         SearchPlan(start=1.0, down_factor=1.0)
+
 
 def test_doubling_grid_reaches_the_top():
     assert doubling_grid(1.5, 10.0) == [1.5, 3.0, 6.0, 12.0]

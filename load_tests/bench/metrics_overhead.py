@@ -6,10 +6,10 @@ flight: each one that finishes is replaced at once), with the worker's metrics t
 (actors/worker_metrics.py) taking a sample between steps every `flush_interval_s` and
 exporting the merged samples through `ray.util.metrics` as often as Ray reports metrics (to a
 Ray started for this section with its defaults, so the Ray calls cost what they cost in a
-worker). Recording is switched on and off in alternating windows of `window_s` seconds of
-the same run (default: the export interval, so every "on" window holds one export) ("off": a NullRecorder and no flushes), the order
-flipped every pair, so the machine's other load, which drifts over seconds, hits both sides
-of a pair alike.
+worker). Recording is switched on and off ("off": a NullRecorder and no flushes) in
+alternating windows of `window_s` seconds of the same run (default: the export interval, so
+every "on" window holds one export), the order flipped every pair, so the machine's other
+load, which drifts over seconds, hits both sides of a pair alike.
 
   metrics_overhead_frac       median over pairs of (engine-loop wall seconds per generated token,
                               on / off) - 1: what recording costs the hot loop, i.e. the
