@@ -7,15 +7,23 @@ flight: each one that finishes is replaced at once), with the worker's metrics t
 exporting the merged samples through `ray.util.metrics` as often as Ray reports metrics (to a
 Ray started for this section with its defaults, so the Ray calls cost what they cost in a
 worker). Recording is switched on and off ("off": a NullRecorder and no flushes) in
-alternating windows of `window_s` seconds of the same run (default: the export interval, so
-every "on" window holds one export), the order flipped every pair, so the machine's other
-load, which drifts over seconds, hits both sides of a pair alike.
+alternating windows of `window_s` seconds of the same run (0.3 s by default), the order
+flipped every pair, so the machine's other load, which drifts over seconds, hits both sides of a
+pair alike: short windows keep the two sides of a pair close in time, and many pairs average the
+noise that remains (on a shared 2-core VM a fixed matmul loop's rate varies by 12% from one
+second to the next). The default on/off cycle (4 windows, 1.2 s) is not a multiple of the flush
+interval (1 s), so the flushes fall in "on" and "off" windows alike and the "on" windows get
+their share (`metrics_setup.flushes_per_on_s`, about 1 / flush_interval_s). The metrics thread
+exports once `export_interval_s` of wall time has passed, but only from "on" windows, which hold
+half of the wall time: the exports are counted about twice over, an overstatement kept because it
+errs against the claim.
 
-  metrics_overhead_frac       median over pairs of (engine-loop wall seconds per generated token,
-                              on / off) - 1: what recording costs the hot loop, i.e. the
-                              recording in each step, the samples taken between steps and the
-                              metrics thread's contention for the GIL; 95% bootstrap CI of the
-                              median
+  metrics_overhead_frac       (engine-loop wall seconds per generated token, summed over the
+                              "on" windows) / (the same over the "off" windows) - 1: what
+                              recording costs the hot loop, i.e. the recording in each step,
+                              the samples taken between steps, the exports and the metrics
+                              thread's contention for the GIL; 95% CI: bootstrap over pairs
+                              (the pooled ratio recomputed on pairs drawn with replacement)
   metrics_cpu_overhead_frac   the same on the whole process's CPU seconds per token: also
                               counts the metrics thread's own CPU, spent beside the hot loop
                               (on another core when there is one)
@@ -28,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -56,10 +63,17 @@ class _TimedRecorder:
 
 
 class _ConstantLoad:
-    """Keeps `per_model` requests of every model in flight: `deliver` replaces each finished one."""
+    """Keeps `per_model` requests of every model in flight: `deliver` replaces each finished one.
 
-    def __init__(self, engine, models: list[str], prompts: list[list[int]], new_tokens: int):
+    Each request asks for a length drawn from [new_tokens / 2, 3 * new_tokens / 2] (seeded), so
+    requests finish at scattered steps and the load is the same from one second to the next;
+    equal lengths would finish them all together, in waves of prefills about a second apart,
+    and a one-second window would then see a different mix of steps from the next.
+    """
+
+    def __init__(self, engine, models: list[str], prompts: list[list[int]], new_tokens: int, seed: int = 0):
         self.engine, self.models, self.prompts, self.new_tokens = engine, models, prompts, new_tokens
+        self._rng = random.Random(seed)
         self.tokens = 0          # generated so far (engine thread writes, main thread reads)
         self.error: str | None = None
         self._next = 0
@@ -68,7 +82,8 @@ class _ConstantLoad:
     def request(self, model: str):
         self._next += 1
         prompt = self.prompts[self._next % len(self.prompts)]
-        req = greedy_requests(model, [prompt], self.new_tokens, f"load{self._next}")[0]
+        length = self._rng.randint(max(1, self.new_tokens // 2), self.new_tokens * 3 // 2)
+        req = greedy_requests(model, [prompt], length, f"load{self._next}")[0]
         self._model_of[req.request_id] = model
         return _with_arrival(req, time.time())
 
@@ -91,13 +106,15 @@ def _windows(engine, load: _ConstantLoad, metrics, pairs: int, window_s: float) 
         recorder = _TimedRecorder(EngineRecorder()) if on else NullRecorder()
         engine.metrics = recorder
         metrics.enabled = on
-        flush0, tokens0, steps0, step_s0 = metrics.flush_cpu_s, load.tokens, engine.num_steps, engine.step_seconds
+        flush0, flushes0 = metrics.flush_cpu_s, metrics.flushes
+        tokens0, steps0, step_s0 = load.tokens, engine.num_steps, engine.step_seconds
         wall0, cpu0 = time.perf_counter(), time.process_time()
         time.sleep(window_s)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         windows.append({"on": on, "pair": i // 2, "tokens": load.tokens - tokens0, "wall_s": wall, "cpu_s": cpu,
                         "steps": engine.num_steps - steps0, "step_s": engine.step_seconds - step_s0,
-                        "record_s": recorder.seconds if on else 0.0, "flush_cpu_s": metrics.flush_cpu_s - flush0})
+                        "record_s": recorder.seconds if on else 0.0, "flush_cpu_s": metrics.flush_cpu_s - flush0,
+                        "flushes": metrics.flushes - flushes0})
         if load.error:
             raise RuntimeError(f"a request of the load failed: {load.error}")
     return windows
@@ -110,23 +127,34 @@ class _SwitchableFlush:
         self.metrics = metrics
         self.enabled = False
         self.flush_cpu_s = 0.0
+        self.flushes = 0
 
     def __call__(self) -> None:
         if self.enabled:
             start = time.thread_time()   # this thread's CPU, not its wait for the engine thread
             self.metrics.flush()
             self.flush_cpu_s += time.thread_time() - start
+            self.flushes += 1
 
 
-def _ci(values: list[float], seed: int = 0, rounds: int = 2000) -> tuple[float, float]:
+def _pooled(pairs: list[tuple[dict, dict]], cost: str, per: str) -> float:
+    """(sum of `cost` / sum of `per`) over the "on" windows against the same over the "off" ones, - 1."""
+    def rate(side: int) -> float:
+        return sum(p[side][cost] for p in pairs) / sum(p[side][per] for p in pairs)
+    return rate(0) / rate(1) - 1
+
+
+def _pooled_ci(pairs: list[tuple[dict, dict]], cost: str, per: str, seed: int = 0,
+               rounds: int = 2000) -> tuple[float, float]:
+    """95% bootstrap CI of `_pooled`: pairs drawn with replacement, the ratio recomputed."""
     rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return meds[int(0.025 * rounds)], meds[int(0.975 * rounds) - 1]
+    draws = sorted(_pooled(rng.choices(pairs, k=len(pairs)), cost, per) for _ in range(rounds))
+    return draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
 
 
 def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dtype: str | None, num_slots: int,
                              requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache,
-                             pairs: int = 15, window_s: float | None = None, flush_interval_s: float = 1.0,
+                             pairs: int = 500, window_s: float = 0.3, flush_interval_s: float = 1.0,
                              kernels: str = "fast") -> dict:
     import ray
 
@@ -135,8 +163,9 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
 
     prompts = make_prompts(requests_per_model, prompt_tokens, seed=3)
     max_len = max(map(len, prompts))
-    engine = engine_for(paths, num_slots=num_slots, tokens_per_model=requests_per_model * (max_len + new_tokens),
-                        device=device, dtype=dtype, host_cache=host_cache, kernels=kernels)
+    longest = max_len + new_tokens * 3 // 2
+    engine = engine_for(paths, num_slots=num_slots, tokens_per_model=requests_per_model * longest, device=device,
+                        dtype=dtype, host_cache=host_cache, kernels=kernels)
     run_to_completion(engine, [r for name in paths for r in greedy_requests(name, prompts[:1], 2, "warm")])
     started_ray = not ray.is_initialized()
     if started_ray:   # a Ray for the metrics calls only: they then cost what they cost in a worker
@@ -150,14 +179,13 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
     load = _ConstantLoad(engine, list(paths), prompts, new_tokens)
     loop = EngineLoop(engine, load.deliver)
     metrics = WorkerMetrics("bench-gpu0", engine, loop, torch.get_num_threads(), flush_interval_s)
-    window_s = window_s or metrics.export_interval_s
     switch = _SwitchableFlush(metrics)
     metrics._thread.tick = switch
     try:
         for name in paths:
             for _ in range(requests_per_model):
                 loop.call(engine.add_request, load.request(name))
-        time.sleep(window_s)   # reach the steady state before measuring
+        time.sleep(max(window_s, 5.0))   # reach the steady state before measuring
         windows = _windows(engine, load, switch, pairs, window_s)
     finally:
         metrics.stop()
@@ -168,29 +196,28 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
     for w in windows:
         by_pair.setdefault(w["pair"], {})[w["on"]] = w
     pairs_ = [(p[True], p[False]) for p in by_pair.values()]
-    cpu = [on["cpu_s"] / on["tokens"] / (off["cpu_s"] / off["tokens"]) - 1 for on, off in pairs_]
-    wall = [on["wall_s"] / on["tokens"] / (off["wall_s"] / off["tokens"]) - 1 for on, off in pairs_]
-    step = [on["step_s"] / on["steps"] / (off["step_s"] / off["steps"]) - 1 for on, off in pairs_]
     ons = [on for on, _ in pairs_]
     on_step_s = sum(w["step_s"] for w in ons)
+    figures = {}
+    for key, cost, per in (("metrics_overhead_frac", "wall_s", "tokens"),
+                           ("metrics_cpu_overhead_frac", "cpu_s", "tokens"),
+                           ("metrics_step_overhead_frac", "step_s", "steps")):
+        figures[key], figures[f"{key}_ci95"] = _pooled(pairs_, cost, per), _pooled_ci(pairs_, cost, per)
     return {
-        "metrics_overhead_frac": statistics.median(wall),
-        "metrics_overhead_frac_ci95": _ci(wall),
-        "metrics_cpu_overhead_frac": statistics.median(cpu),
-        "metrics_cpu_overhead_frac_ci95": _ci(cpu),
-        "metrics_step_overhead_frac": statistics.median(step),
-        "metrics_step_overhead_frac_ci95": _ci(step),
+        **figures,
         "metrics_record_frac": sum(w["record_s"] for w in ons) / on_step_s,
         "metrics_flush_frac": sum(w["flush_cpu_s"] for w in ons) / sum(w["wall_s"] for w in ons),
         "metrics_pairs": pairs,
         "metrics_mean_step_ms": 1e3 * on_step_s / sum(w["steps"] for w in ons),
         "metrics_tokens_per_s": sum(w["tokens"] for w in ons) / sum(w["wall_s"] for w in ons),
         "metrics_setup": {"models": sorted(paths), "num_slots": num_slots, "requests_per_model": requests_per_model,
-                          "new_tokens": new_tokens, "flush_interval_s": flush_interval_s,
-                          "export_interval_s": metrics.export_interval_s, "exports": metrics.num_exports,
+                          "new_tokens": [max(1, new_tokens // 2), new_tokens * 3 // 2],
+                          "flush_interval_s": flush_interval_s, "export_interval_s": metrics.export_interval_s,
+                          "exports": metrics.num_exports,
                           "window_s": window_s,
-                          "measure": "alternating on/off windows of one run; median of per-pair ratios; "
-                                     "CI: bootstrap of the median, seed 0"},
+                          "flushes_per_on_s": sum(w["flushes"] for w in ons) / sum(w["wall_s"] for w in ons),
+                          "measure": "alternating on/off windows of one run; ratio of the pooled 'on' and 'off' "
+                                     "rates; CI: bootstrap over pairs, seed 0"},
     }
 
 

@@ -31,11 +31,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--overhead-repeats", type=int, default=5,
                         help="timed runs of the overhead section (mean and 95%% interval reported)")
-    parser.add_argument("--metrics-pairs", type=int, default=15,
+    parser.add_argument("--metrics-pairs", type=int, default=500,
                         help="alternating on/off window pairs of the metrics section")
-    parser.add_argument("--metrics-window", type=float,
-                        help="seconds per window of the metrics section (default: Ray's metrics export "
-                             "interval, 10 s, so every window with recording on holds one export)")
+    parser.add_argument("--metrics-window", type=float, default=0.3,
+                        help="seconds per window of the metrics section")
     parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")
     parser.add_argument("--shape-sections", help="sections for the --shapes models (default: --sections)")
