@@ -58,9 +58,15 @@ class ModelAccumulator:
         for name in ("prompt_tokens", "generation_tokens", "switches", "prefetch_hits", "handoffs", "handoffs_kept",
                      "handoff_bytes", "swap_wait_s", "busy_s"):
             setattr(self, name, getattr(self, name) + getattr(later, name))
-        for reason, n in later.finished.items():
-            self.finished[reason] = self.finished.get(reason, 0) + n
+        _add_counts(self.finished, later.finished)
         return self
+
+
+def _add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Add the counts of `more` into `into`, key by key; returns `into`."""
+    for key, n in more.items():
+        into[key] = into.get(key, 0) + n
+    return into
 
 
 @dataclass
@@ -84,11 +90,8 @@ class EngineSample:
         for model, acc in later.models.items():
             mine = models.get(model)
             models[model] = acc if mine is None else mine.merge(acc)
-        swaps, swap_bytes = dict(self.swaps), dict(self.swap_bytes)
-        for model, n in later.swaps.items():
-            swaps[model] = swaps.get(model, 0) + n
-        for model, n in later.swap_bytes.items():
-            swap_bytes[model] = swap_bytes.get(model, 0) + n
+        swaps = _add_counts(dict(self.swaps), later.swaps)
+        swap_bytes = _add_counts(dict(self.swap_bytes), later.swap_bytes)
         return EngineSample(models=models, running=later.running, waiting=later.waiting, kv_usage=later.kv_usage,
                             alpha=later.alpha, quotas=later.quotas, swaps=swaps, swap_bytes=swap_bytes,
                             wall_s=self.wall_s + later.wall_s)

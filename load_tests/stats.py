@@ -16,8 +16,11 @@ interval of both ends (lo_a / hi_b, hi_a / lo_b) and the censoring of either.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 MEASURED = "measured"
 LOWER_BOUND = "lower bound"  # the true value is at least `value`
@@ -52,6 +55,16 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> MeanCI:
     sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1))
     half = float(t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
     return MeanCI(mean, mean - half, mean + half, n)
+
+
+def bootstrap_ci(items: Sequence[T], statistic: Callable[[list[T]], float], seed: int = 0,
+                 reps: int = 2000) -> tuple[float, float]:
+    """95% percentile bootstrap interval of `statistic`: `items` (e.g. the side-by-side pairs of
+    a benchmark) drawn with replacement `reps` times, the statistic recomputed on each draw."""
+    rng = random.Random(seed)
+    n = len(items)
+    draws = sorted(statistic([items[rng.randrange(n)] for _ in range(n)]) for _ in range(reps))
+    return draws[int(0.025 * reps)], draws[int(0.975 * reps) - 1]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -177,14 +176,10 @@ def _ms(xs) -> float:
 
 def ratio_ci(num: list[float], den: list[float], seed: int = 0, reps: int = 2000) -> tuple[float, float]:
     """95% bootstrap interval of median(num) / median(den), resampling the (num, den) pairs."""
-    rng = random.Random(seed)
-    n = len(num)
-    ratios = []
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median(num[i] for i in idx) / statistics.median(den[i] for i in idx))
-    ratios.sort()
-    return ratios[int(0.025 * reps)], ratios[int(0.975 * reps) - 1]
+    from load_tests.stats import bootstrap_ci
+
+    return bootstrap_ci(list(zip(num, den)), lambda pairs: statistics.median(n for n, _ in pairs)
+                        / statistics.median(d for _, d in pairs), seed, reps)
 
 
 def bench_handoff(ray, src, dst, dst_node: str, num_blocks: int, iters: int) -> dict:

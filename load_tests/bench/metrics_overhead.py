@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from load_tests.bench.common import engine_for, greedy_requests, make_prompts, run_to_completion
+from load_tests.stats import bootstrap_ci
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class _TimedRecorder:
 
     def __getattr__(self, name):
         return getattr(self.recorder, name)
+
+
+def _lengths(new_tokens: int) -> tuple[int, int]:
+    """The range the constant load draws its requests' lengths from (see _ConstantLoad)."""
+    return max(1, new_tokens // 2), new_tokens * 3 // 2
 
 
 class _ConstantLoad:
@@ -82,7 +88,7 @@ class _ConstantLoad:
     def request(self, model: str):
         self._next += 1
         prompt = self.prompts[self._next % len(self.prompts)]
-        length = self._rng.randint(max(1, self.new_tokens // 2), self.new_tokens * 3 // 2)
+        length = self._rng.randint(*_lengths(self.new_tokens))
         req = greedy_requests(model, [prompt], length, f"load{self._next}")[0]
         self._model_of[req.request_id] = model
         return _with_arrival(req, time.time())
@@ -144,14 +150,6 @@ def _pooled(pairs: list[tuple[dict, dict]], cost: str, per: str) -> float:
     return rate(0) / rate(1) - 1
 
 
-def _pooled_ci(pairs: list[tuple[dict, dict]], cost: str, per: str, seed: int = 0,
-               rounds: int = 2000) -> tuple[float, float]:
-    """95% bootstrap CI of `_pooled`: pairs drawn with replacement, the ratio recomputed."""
-    rng = random.Random(seed)
-    draws = sorted(_pooled(rng.choices(pairs, k=len(pairs)), cost, per) for _ in range(rounds))
-    return draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]
-
-
 def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dtype: str | None, num_slots: int,
                              requests_per_model: int, new_tokens: int, prompt_tokens: int, host_cache,
                              pairs: int = 500, window_s: float = 0.3, flush_interval_s: float = 1.0,
@@ -163,7 +161,7 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
 
     prompts = make_prompts(requests_per_model, prompt_tokens, seed=3)
     max_len = max(map(len, prompts))
-    longest = max_len + new_tokens * 3 // 2
+    longest = max_len + _lengths(new_tokens)[1]
     engine = engine_for(paths, num_slots=num_slots, tokens_per_model=requests_per_model * longest, device=device,
                         dtype=dtype, host_cache=host_cache, kernels=kernels)
     run_to_completion(engine, [r for name in paths for r in greedy_requests(name, prompts[:1], 2, "warm")])
@@ -197,25 +195,26 @@ def measure_metrics_overhead(paths: dict[str, Path], *, device: torch.device, dt
         by_pair.setdefault(w["pair"], {})[w["on"]] = w
     pairs_ = [(p[True], p[False]) for p in by_pair.values()]
     ons = [on for on, _ in pairs_]
-    on_step_s = sum(w["step_s"] for w in ons)
+    on_step_s, on_wall_s = sum(w["step_s"] for w in ons), sum(w["wall_s"] for w in ons)
     figures = {}
     for key, cost, per in (("metrics_overhead_frac", "wall_s", "tokens"),
                            ("metrics_cpu_overhead_frac", "cpu_s", "tokens"),
                            ("metrics_step_overhead_frac", "step_s", "steps")):
-        figures[key], figures[f"{key}_ci95"] = _pooled(pairs_, cost, per), _pooled_ci(pairs_, cost, per)
+        figures[key] = _pooled(pairs_, cost, per)
+        figures[f"{key}_ci95"] = bootstrap_ci(pairs_, lambda drawn, cost=cost, per=per: _pooled(drawn, cost, per))
     return {
         **figures,
         "metrics_record_frac": sum(w["record_s"] for w in ons) / on_step_s,
-        "metrics_flush_frac": sum(w["flush_cpu_s"] for w in ons) / sum(w["wall_s"] for w in ons),
+        "metrics_flush_frac": sum(w["flush_cpu_s"] for w in ons) / on_wall_s,
         "metrics_pairs": pairs,
         "metrics_mean_step_ms": 1e3 * on_step_s / sum(w["steps"] for w in ons),
-        "metrics_tokens_per_s": sum(w["tokens"] for w in ons) / sum(w["wall_s"] for w in ons),
+        "metrics_tokens_per_s": sum(w["tokens"] for w in ons) / on_wall_s,
         "metrics_setup": {"models": sorted(paths), "num_slots": num_slots, "requests_per_model": requests_per_model,
-                          "new_tokens": [max(1, new_tokens // 2), new_tokens * 3 // 2],
+                          "new_tokens": list(_lengths(new_tokens)),
                           "flush_interval_s": flush_interval_s, "export_interval_s": metrics.export_interval_s,
                           "exports": metrics.num_exports,
                           "window_s": window_s,
-                          "flushes_per_on_s": sum(w["flushes"] for w in ons) / sum(w["wall_s"] for w in ons),
+                          "flushes_per_on_s": sum(w["flushes"] for w in ons) / on_wall_s,
                           "measure": "alternating on/off windows of one run; ratio of the pooled 'on' and 'off' "
                                      "rates; CI: bootstrap over pairs, seed 0"},
     }

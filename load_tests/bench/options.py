@@ -55,7 +55,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.metrics_window is not None and not args.metrics_window > 0:
+    if not args.metrics_window > 0:
         raise ValueError(f"--metrics-window must be > 0, got {args.metrics_window}")
     if args.max_seconds is not None and args.max_seconds <= 0:
         raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
