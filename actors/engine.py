@@ -63,7 +63,7 @@ class EngineConfig:
     timeline_len: int = 4096             # steps kept for stats/plots (model, start, end, is_prefill)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
-    # fused q/k/v and gate/up, oneDNN-packed weights on CPU, CUDA graphs for decode on GPU
+    # fused q/k/v and gate/up, packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
     kernels: str = "reference"
     # True: frames carry their text, and stop strings end requests here. False: frames carry

@@ -2,8 +2,9 @@
 
     reference  the checkpoint's tensors, one F.linear per projection (MKL on CPU, cuBLAS on
                CUDA): transformers' arithmetic, token for token (the oracle tests' path)
-    fast       q/k/v and gate/up fused; on CPU the large matrices packed for oneDNN (fp32,
-               or bf16 where the CPU has AVX512-BF16 or AMX), on CUDA decode from CUDA graphs
+    fast       q/k/v and gate/up fused; on CPU the large matrices packed (fp32: our blocked
+               kernel, oneDNN where it does not apply; bf16, where the CPU has AVX512-BF16
+               or AMX: oneDNN), on CUDA decode from CUDA graphs
 
 The CPU's features come from torch (`get_cpu_capability`: the vectorised kernels it
 dispatches to) and /proc/cpuinfo (AVX-512, AVX512-BF16, AMX), so a benchmark can say
@@ -40,6 +41,7 @@ def cpu_features() -> dict:
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         **{flag: flag in flags for flag in _CPU_FLAGS},
         "onednn": onednn,
+        "blocked_f32": packed_linear.blocked_available(),
         "onednn_bf16": onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     }
 
@@ -58,8 +60,9 @@ class KernelPath:
         return self.kernels == "fast" and self.device == "cuda"
 
     def packs(self, dtype: torch.dtype) -> bool:
-        """Whether this path packs `dtype` linear weights for oneDNN; ValueError where the fast
-        path was asked for a dtype this CPU has no fast kernels for."""
+        """Whether this path packs `dtype` linear weights (actors/packed_linear.py: oneDNN is
+        the form every packed matrix can take, so packing needs it); ValueError where the
+        fast path was asked for a dtype this CPU has no fast kernels for."""
         if self.kernels != "fast" or self.device != "cpu":
             return False
         features = cpu_features()
@@ -88,8 +91,12 @@ class KernelPath:
         elif self.device == "cuda":
             linear = f"fused q/k/v + gate/up, F.linear (cuBLAS, {name}), decode from CUDA graphs"
         elif self.packs(dtype):
-            linear = (f"fused q/k/v + gate/up, oneDNN-packed {name} for matrices >= 2^19 weights "
-                      f"({cpu_features()['torch_capability']}{', AMX' if cpu_features()['amx_tile'] else ''})")
+            isa = f"{cpu_features()['torch_capability']}{', AMX' if cpu_features()['amx_tile'] else ''}"
+            packed = f"oneDNN-packed {name} ({isa})"
+            if dtype == torch.float32 and cpu_features()["blocked_f32"]:
+                packed = (f"blocked {name} kernel (actors/blocked_linear_cpu.cpp, built -march=native on "
+                          f"{isa}) where out % 32 == 0, else {packed}")
+            linear = f"fused q/k/v + gate/up, matrices >= 2^19 weights packed: {packed}"
         else:
             linear = f"fused q/k/v + gate/up, F.linear (MKL, {name}; oneDNN unavailable)"
         attention = "SDPA over blocks gathered with one index_select per layer"

@@ -9,8 +9,9 @@ Two real implementations, chosen once per model (EngineConfig.kernels):
   one `[2 I, hidden]` (4 matmuls a layer instead of 7), RoPE applied to q and k in one
   pass, fused RMSNorm. The weight layout (`fast_plan`) builds the fused matrices when
   the host cache is filled and, on CPU, packs every matrix of at least
-  `PACK_MIN_ELEMENTS` for oneDNN (actors/packed_linear.py); smaller ones stay plain
-  because oneDNN's ~15 us per call costs more than it saves there. Each weight's form
+  `PACK_MIN_ELEMENTS` (actors/packed_linear.py: our blocked fp32 kernel, or oneDNN);
+  smaller ones stay plain because a packed call's fixed cost (~15 us for oneDNN) costs
+  more than it saves there. Each weight's form
   picks its kernel (`linear`), so nothing downstream asks which path runs. Checked
   against the reference the way kernel libraries are: logits within 1e-4 relative,
   greedy divergence only at near ties (tests/test_fast_path.py).
@@ -109,8 +110,8 @@ def fast_plan(spec: ModelSpec, pack: bool) -> tuple[PlannedTensor, ...]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """# x [T, in] -> [T, out]: oneDNN for a packed weight, F.linear (MKL / cuBLAS) otherwise."""
-    if weight.is_mkldnn:
+    """# x [T, in] -> [T, out]: the packed kernel for a packed weight, F.linear (MKL / cuBLAS) otherwise."""
+    if packed_linear.is_packed(weight):
         return packed_linear.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

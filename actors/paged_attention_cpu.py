@@ -1,5 +1,7 @@
-"""The fast path's CPU kernels: decode attention over the paged pool and the fused
-elementwise ops of a layer (actors/fused_ops_cpu.cpp), one small C++ extension built once.
+"""The fast path's CPU kernels: decode attention over the paged pool, the fused
+elementwise ops of a layer (actors/fused_ops_cpu.cpp) and the blocked float32 linear
+(actors/blocked_linear_cpu.cpp, used through actors/packed_linear.py), one small C++
+extension built once.
 
 Without it a decode step gathers every sequence's K/V blocks into a copy (one
 `index_select` per layer) and runs SDPA over the copy: on one core that is ~0.5 ms a
@@ -21,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("paged_attention_cpu.cpp"), Path(__file__).with_name("fused_ops_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in
+           ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "blocked_linear_cpu.cpp")]
 # -march=native: the build is per machine (the cache directory is too); the reassociation
 # flags let the compiler vectorise the dot products and sums (float32 accumulation).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -36,7 +39,7 @@ def available() -> bool:
 
         load(name="tokenmux_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
              is_python_module=False, verbose=False)
-        return hasattr(torch.ops.tokenmux, "paged_decode_attention") and hasattr(torch.ops.tokenmux, "add_rms_norm_")
+        return all(hasattr(torch.ops.tokenmux, op) for op in ("paged_decode_attention", "add_rms_norm_", "blocked_linear"))
     except Exception as exc:   # no compiler / ninja / headers: the torch path stays correct
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch attention", exc)
         return False

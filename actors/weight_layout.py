@@ -55,7 +55,7 @@ class PlannedTensor:
 
     name: str
     sources: tuple[str, ...]     # checkpoint tensor names, concatenated along dim 0
-    pack: bool = False           # oneDNN-packed linear weight (actors/packed_linear.py)
+    pack: bool = False           # packed linear weight (actors/packed_linear.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class WeightEntry:
     dtype: torch.dtype           # dtype in the flat buffer (after any conversion)
     nbytes: int                  # bytes in the flat buffer
     sources: tuple[TensorSource, ...]       # one for a checkpoint tensor as it is; several when fused
-    packed: PackedFormat | None = None      # None: row-major; else oneDNN's blocked layout
+    packed: PackedFormat | None = None      # None: row-major; else a packed form (actors/packed_linear.py)
 
     def __post_init__(self) -> None:
         if self.offset % ALIGN:
@@ -141,7 +141,7 @@ class WeightLayout:
         for e in self.entries:
             parts = ",".join(f"{s.name}:{s.file_dtype}" for s in e.sources)
             h.update(f"{e.name}:{e.offset}:{e.shape}:{e.dtype}:{parts}".encode())
-            if e.packed is not None:   # the blocked format (CPU ISA, oneDNN version) names the bytes too
+            if e.packed is not None:   # the packed format (ours, or oneDNN: CPU ISA, version) names the bytes too
                 h.update(hashlib.sha256(e.packed.metadata).digest())
         return h.hexdigest()[:24]
 

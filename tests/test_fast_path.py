@@ -2,8 +2,8 @@
 kernel libraries check theirs: on every zoo architecture, prefill logits within 1e-4
 relative of the reference, and wherever greedy output diverges from the reference, the
 reference's top-2 logits at that step are a near tie. Each model runs twice: with the
-default packing threshold and with every linear weight oneDNN-packed (threshold 0), so
-the packed kernels run on the tiny shapes too. Weights go through the real host cache
+default packing threshold and with every linear weight packed (threshold 0), so the
+packed kernels (blocked and oneDNN, actors/packed_linear.py) run on the tiny shapes too. Weights go through the real host cache
 and slots, so what is checked is what a swap-in puts in front of the kernels.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all
     path = ensure_model(name)
     spec, ref_params, _ = _params(path, "reference", prefix + "-r")
     _, fast_params, _ = _params(path, "fast", prefix + "-f")
-    packed = sum(v.is_mkldnn for v in fast_params.values())
+    packed = sum(packed_linear.is_packed(v) for v in fast_params.values())
     assert packed > 0 if (pack_all or name == "llama-10m") else packed == 0
     g = torch.Generator().manual_seed(len(name))
     prompts = [torch.randint(8, spec.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
@@ -99,9 +99,12 @@ def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all
                 break
 
 
-def test_packed_weights_are_viewed_in_place_so_a_swap_in_changes_what_the_kernel_reads():
-    shape = (96, 80)   # not a multiple of the blocks: the packed format pads
+# (96, 80): the blocked layout where the C++ kernels build; (100, 80): 100 output
+# features are not whole blocks of 32, so oneDNN's format, which pads its own blocks.
+@pytest.mark.parametrize("shape", [(96, 80), (100, 80)], ids=["blocked", "onednn"])
+def test_packed_weights_are_viewed_in_place_so_a_swap_in_changes_what_the_kernel_reads(shape):
     fmt = packed_linear.packed_format(shape, torch.float32)
+    assert fmt.blocked == (shape[0] % 32 == 0 and packed_linear.blocked_available())
     assert fmt.nbytes >= shape[0] * shape[1] * 4
     a, b = torch.randn(shape), torch.randn(shape)
     slot = torch.zeros(fmt.nbytes + 64, dtype=torch.uint8)[64:]
@@ -115,6 +118,30 @@ def test_packed_weights_are_viewed_in_place_so_a_swap_in_changes_what_the_kernel
     torch.testing.assert_close(packed_linear.linear(x, view), F.linear(x, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="contiguous CPU bytes"):
         packed_linear.packed_view(slot[:-1], shape, torch.float32, fmt)
+
+
+@pytest.mark.skipif(not packed_linear.blocked_available(), reason="the CPU kernels could not be built")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_linear_equals_f_linear_at_every_batch_size(threads):
+    """Rows run in register tiles of up to 8 with a tail, blocks split across threads:
+    every row count from an empty batch to a prefill, with and without bias."""
+    shape = (160, 72)
+    fmt = packed_linear.packed_format(shape, torch.float32)
+    w, bias = torch.randn(shape), torch.randn(shape[0])
+    slot = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    packed_linear.pack_into(slot, w, fmt)
+    view = packed_linear.packed_view(slot, shape, torch.float32, fmt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (0, 1, 2, 3, 7, 8, 9, 16, 21, 130):
+            x = torch.randn(rows, shape[1])
+            torch.testing.assert_close(packed_linear.linear(x, view), F.linear(x, w), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed_linear.linear(x, view, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        with pytest.raises(RuntimeError, match="features"):
+            packed_linear.linear(torch.randn(2, shape[1] + 1), view)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_fast_layout_fuses_exactly_and_names_different_cache_files():

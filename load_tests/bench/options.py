@@ -17,7 +17,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: the checkpoint's)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--kernels", choices=KERNELS, default="fast",
-                        help="engine kernel path: fast (fused, oneDNN-packed / CUDA graphs) or reference "
+                        help="engine kernel path: fast (fused, packed weights / CUDA graphs) or reference "
                              "(transformers' arithmetic); default fast")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per figure; medians reported")
     parser.add_argument("--swap-repeats", type=int, default=9, help="swap-ins (and raw copies) timed")
