@@ -2,15 +2,15 @@
 //
 // At decode batch sizes (a few rows) a linear layer is one pass over its weight, and what
 // it costs is how fast the kernel streams that weight. oneDNN's packed fp32 kernel reads
-// it at ~13 GB/s on one Zen 4 core at batch 8 (MKL's sgemm ~7) against ~25 GB/s for a
+// it at ~13 GB/s on one core of this project's AMD EPYC (AVX-512) hosts at batch 8 (MKL's sgemm ~7) against ~25 GB/s for a
 // plain read; at 8 rows fp32 the FMA units cap a core at about the same ~20 GB/s. This
 // kernel gets ~16-22 GB/s by keeping the whole batch in registers:
 //
 //   layout   w [N/32][K][32]: for each block of 32 output features, the 32 weights of
 //            input k side by side, so a block is one contiguous 128*K-byte stream
 //   tile     up to MR rows x 32 outputs of accumulators live in registers; per input k,
-//            two vector loads of the weight and one broadcast FMA per row (the vector
-//            type is GCC's, so the same source builds for AVX-512, AVX2 or SSE)
+//            two vector loads of the weight and one broadcast FMA per row and vector
+//            (GCC's vector types; AVX-512 builds only, see below)
 //   order    threads split the blocks; rows beyond MR run as further tiles over the same
 //            block while it is still in L1/L2 (prefill), so a weight leaves memory once
 //
@@ -27,33 +27,40 @@
 
 namespace {
 
-constexpr int64_t BLOCK = 32;          // output features per block (two 16-float vectors)
+constexpr int64_t BLOCK = 32;          // output features per block: two 16-float vectors
+// Built for AVX-512 only (-march=native on a CPU that has it): 8 rows x 2 accumulators and
+// the block row of weights fill 18 of the 32 zmm registers. On AVX2 the same scheme ran 5x
+// slower than oneDNN's AVX2 kernel (16 ymm registers do not hold a useful tile), so there the
+// op is not built and every packed matrix goes to oneDNN (actors/packed_linear.py).
 #if defined(__AVX512F__)
-constexpr int64_t MR = 8;              // rows per tile: 8 x 2 accumulators of the 32 zmm registers
-#else
-constexpr int64_t MR = 3;              // 16 ymm registers: 3 x 4 accumulators + the weight
-#endif
+#define TOKENMUX_BLOCKED_LINEAR 1
+constexpr int64_t MR = 8;              // rows per tile
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
-// out[r, 0:BLOCK] = bias + sum_k xt[k, r] * w[k, :] for r < M; xt [K][MR], w [K][BLOCK]
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v16)); return v; }
+
+// out[r, 0:BLOCK] = bias + sum_k xt[k, r] * w[k, :] for r < M; xt [K][MR], w [K][BLOCK].
+// One named array per half of the block (not a 2-D array): GCC keeps these in registers.
 template <int M>
 void tile(const float* xt, const float* w, const float* bias, float* out, int64_t K, int64_t ldo) {
-  v16 b0{}, b1{};
-  if (bias != nullptr) { std::memcpy(&b0, bias, 64); std::memcpy(&b1, bias + 16, 64); }
   v16 a0[M], a1[M];
-  for (int m = 0; m < M; ++m) { a0[m] = b0; a1[m] = b1; }
+  for (int m = 0; m < M; ++m) {
+    a0[m] = bias != nullptr ? load(bias) : v16{};
+    a1[m] = bias != nullptr ? load(bias + 16) : v16{};
+  }
   for (int64_t k = 0; k < K; ++k) {
-    v16 w0, w1;
-    std::memcpy(&w0, w + k * BLOCK, 64);
-    std::memcpy(&w1, w + k * BLOCK + 16, 64);
+    const v16 w0 = load(w + k * BLOCK), w1 = load(w + k * BLOCK + 16);
     const float* xk = xt + k * MR;
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) { a0[m] += xk[m] * w0; a1[m] += xk[m] * w1; }
+    for (int m = 0; m < M; ++m) {
+      a0[m] += xk[m] * w0;
+      a1[m] += xk[m] * w1;
+    }
   }
   for (int m = 0; m < M; ++m) {
-    std::memcpy(out + m * ldo, &a0[m], 64);
-    std::memcpy(out + m * ldo + 16, &a1[m], 64);
+    std::memcpy(out + m * ldo, &a0[m], sizeof(v16));
+    std::memcpy(out + m * ldo + 16, &a1[m], sizeof(v16));
   }
 }
 
@@ -99,9 +106,13 @@ at::Tensor blocked_linear(const at::Tensor& x_in, const at::Tensor& w, const c10
   return out;
 }
 
+#endif  // TOKENMUX_BLOCKED_LINEAR
+
 }  // namespace
 
+#ifdef TOKENMUX_BLOCKED_LINEAR
 TORCH_LIBRARY_FRAGMENT(tokenmux, m) {
   m.def("blocked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.impl("blocked_linear", c10::DispatchKey::CPU, TORCH_FN(blocked_linear));
 }
+#endif

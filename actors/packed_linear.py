@@ -4,7 +4,7 @@ At decode batch sizes a linear layer is one pass over its weight, and a kernel t
 the weight in the order it computes runs ~1.5-2.5x faster than `F.linear` (MKL sgemm) on
 the checkpoint's row-major matrix. Two packed forms, chosen per matrix by `packed_format`:
 
-- **blocked** (float32, where the CPU kernels build): our own layout, `[out/32, in, 32]`,
+- **blocked** (float32, where the CPU kernels build for AVX-512): our own layout, `[out/32, in, 32]`,
   read by `actors/blocked_linear_cpu.cpp`, which keeps a decode batch's accumulators in
   registers: ~1.3-1.5x oneDNN's packed fp32 kernel at batch 8 on this project's hosts
   (~16-22 GB/s of weights on one core against ~13). It is a plain float tensor, so the

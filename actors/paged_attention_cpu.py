@@ -39,7 +39,8 @@ def available() -> bool:
 
         load(name="tokenmux_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
              is_python_module=False, verbose=False)
-        return all(hasattr(torch.ops.tokenmux, op) for op in ("paged_decode_attention", "add_rms_norm_", "blocked_linear"))
+        # blocked_linear is built only for AVX2 + FMA or AVX-512 (packed_linear.blocked_available)
+        return hasattr(torch.ops.tokenmux, "paged_decode_attention") and hasattr(torch.ops.tokenmux, "add_rms_norm_")
     except Exception as exc:   # no compiler / ninja / headers: the torch path stays correct
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch attention", exc)
         return False
