@@ -29,9 +29,9 @@ namespace {
 
 constexpr int64_t BLOCK = 32;          // output features per block: two 16-float vectors
 // Built for AVX-512 only (-march=native on a CPU that has it): 8 rows x 2 accumulators and
-// the block row of weights fill 18 of the 32 zmm registers. On AVX2 the same scheme ran 5x
-// slower than oneDNN's AVX2 kernel (16 ymm registers do not hold a useful tile), so there the
-// op is not built and every packed matrix goes to oneDNN (actors/packed_linear.py).
+// the block row of weights fill 18 of the 32 zmm registers. AVX2 builds of the scheme ran
+// 2.5-18x slower than oneDNN's AVX2 kernel (16 ymm registers do not hold a useful tile), so
+// there the op is not built and every packed matrix goes to oneDNN (actors/packed_linear.py).
 #if defined(__AVX512F__)
 #define TOKENMUX_BLOCKED_LINEAR 1
 constexpr int64_t MR = 8;              // rows per tile
