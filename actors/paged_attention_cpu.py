@@ -27,8 +27,12 @@ SOURCES = [Path(__file__).with_name(name) for name in
            ("paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "blocked_linear_cpu.cpp")]
 # -march=native: the build is per machine (the cache directory is too); the reassociation
 # flags let the compiler vectorise the dot products and sums (float32 accumulation).
+# -fopenmp: at::parallel_for is a header template that splits work across torch's intra-op
+# threads only when the extension itself is built with OpenMP (torch's own is libgomp, the
+# same runtime); without it the kernels ran on one thread whatever torch.set_num_threads said.
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-ffp-contract=fast"]
+          "-fno-signed-zeros", "-ffp-contract=fast", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,8 +42,8 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         load(name="tokenmux_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-             is_python_module=False, verbose=False)
-        # blocked_linear is built only for AVX2 + FMA or AVX-512 (packed_linear.blocked_available)
+             extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+        # blocked_linear is built only for AVX-512 (packed_linear.blocked_available)
         return hasattr(torch.ops.tokenmux, "paged_decode_attention") and hasattr(torch.ops.tokenmux, "add_rms_norm_")
     except Exception as exc:   # no compiler / ninja / headers: the torch path stays correct
         logger.warning("CPU paged attention kernel unavailable (%s); using the torch attention", exc)
