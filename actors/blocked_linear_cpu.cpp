@@ -2,9 +2,10 @@
 //
 // At decode batch sizes (a few rows) a linear layer is one pass over its weight, and what
 // it costs is how fast the kernel streams that weight. oneDNN's packed fp32 kernel reads
-// it at ~13 GB/s on one core of this project's AMD EPYC (AVX-512) hosts at batch 8 (MKL's sgemm ~7) against ~25 GB/s for a
-// plain read; at 8 rows fp32 the FMA units cap a core at about the same ~20 GB/s. This
-// kernel gets ~16-22 GB/s by keeping the whole batch in registers:
+// it at ~13 GB/s on one core of this project's AMD EPYC (AVX-512) hosts at batch 8 (MKL's
+// sgemm ~7) against ~25 GB/s for a plain read; at 8 rows fp32 the FMA units cap a core at
+// about the same ~20 GB/s. This kernel gets ~16-22 GB/s by keeping the whole batch in
+// registers:
 //
 //   layout   w [N/32][K][32]: for each block of 32 output features, the 32 weights of
 //            input k side by side, so a block is one contiguous 128*K-byte stream
@@ -87,8 +88,9 @@ at::Tensor blocked_linear(const at::Tensor& x_in, const at::Tensor& w, const c10
   auto out = at::empty({T, N}, x.options());
   if (T == 0) return out;
   // the rows of each tile transposed: xt[c][k][r] = x[c * MR + r][k], so a tile broadcasts from one line per k
+  // (a last tile of M < MR rows reads only its M; the rest of its lines is never read, so not cleared)
   const int64_t tiles = (T + MR - 1) / MR;
-  auto xt = at::zeros({tiles, K, MR}, x.options());
+  auto xt = at::empty({tiles, K, MR}, x.options());
   const float* xp = x.data_ptr<float>();
   float* xtp = xt.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
