@@ -44,6 +44,7 @@ from scheduler.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+NO_TOKEN = 0   # what "sampling" gives a chunk of a split prefill; the policy drops it
 STEP_EMA_WEIGHT = 0.2   # of the newest decode step: follows a load change within ~5 steps
 
 
@@ -301,13 +302,27 @@ class Engine:
         m = self.models[output.model]
         params = self.slots.params(output.model)
 
+        partial = output.partial
+
         def forward(requests: list[Request]) -> torch.Tensor:   # -> [B, vocab]
-            chunks = [SeqChunk(_new_tokens(r), r.num_computed_tokens, r.block_ids) for r in requests]
+            chunks = [SeqChunk(_new_tokens(r, partial.get(r.request_id)), r.num_computed_tokens, r.block_ids)
+                      for r in requests]
             return m.runner.forward(params, chunks, m.kv)
 
-        def sample(requests: list[Request], logits: torch.Tensor) -> list[int]:
+        def draw(requests: list[Request], logits: torch.Tensor) -> list[int]:
             return self.sampler.sample(logits, [r.sampling_params for r in requests],
                                        [self.outputs[r.request_id].generator for r in requests])
+
+        def sample(requests: list[Request], logits: torch.Tensor) -> list[int]:
+            if not partial:
+                return draw(requests, logits)
+            # a chunk of a split prefill makes no token: its generator must not draw
+            rows = [i for i, r in enumerate(requests) if r.request_id not in partial]
+            tokens = [NO_TOKEN] * len(requests)
+            if rows:
+                for i, token in zip(rows, draw([requests[i] for i in rows], logits[rows])):
+                    tokens[i] = token
+            return tokens
 
         return run_isolated(forward, sample, output.requests)
 
@@ -324,6 +339,8 @@ class Engine:
         done = {r.request_id for r in finished}
         frames = []
         for request in output.requests:
+            if request.request_id in output.partial:   # a chunk of its prompt: nothing to say yet
+                continue
             assembler = self.outputs.get(request.request_id)
             if assembler is None:
                 continue
@@ -493,13 +510,16 @@ def _ema(previous: float, sample: float) -> float:
     return sample if previous == 0.0 else previous + STEP_EMA_WEIGHT * (sample - previous)
 
 
-def _new_tokens(r: Request) -> list[int]:
-    """The tokens of `r` not in the cache yet (a decode step: the last one), without
-    concatenating the whole prompt and output every step."""
+def _new_tokens(r: Request, limit: int | None = None) -> list[int]:
+    """The tokens of `r` not in the cache yet (a decode step: the last one; a chunk of a
+    split prefill: the first `limit`), without concatenating the whole prompt and output
+    every step."""
     done, prompt = r.num_computed_tokens, r.prompt_token_ids
     if done >= len(prompt):
-        return r.output_token_ids[done - len(prompt):]
-    return prompt[done:] + r.output_token_ids
+        tokens = r.output_token_ids[done - len(prompt):]
+    else:
+        tokens = prompt[done:] + r.output_token_ids
+    return tokens if limit is None else tokens[:limit]
 
 
 def _kv_shape(spec: ModelSpec, dtype: torch.dtype):

@@ -129,9 +129,10 @@ class EngineRecorder:
         self._announced = output.prefetch_model
         if switch_s:
             acc.swap_wait_s += switch_s
+        partial = output.partial
         for r in output.requests:
             status = r.status
-            if status is _ABORTED:   # aborted before its token: nothing was produced
+            if status is _ABORTED or r.request_id in partial:   # no token: aborted, or a chunk of its prompt
                 continue
             times = r.token_times
             acc.generation_tokens += steps

@@ -181,7 +181,7 @@ class SimWorker:
         if output.is_prefill:
             tokens = attention = 0
             for r in output.requests:
-                n = r.num_new_tokens
+                n = output.new_tokens(r)
                 tokens += n
                 attention += n * (n + 2 * r.num_computed_tokens)
             return fit.prefill_s(tokens, attention)

@@ -8,7 +8,8 @@ sampled tokens in `update`.
 
 Preemption. Only a decode step may preempt; a prefill waits for room (so admission can
 never evict work in flight). The victim is the most recently arrived RUNNING request of any
-model outside the step being built. Its KV is swapped to the host pool when there is one
+model outside the step being built, or a split prefill (a WAITING request holding the blocks
+of its first chunks, see _prefill_step), whose chunks are then recomputed. Its KV is swapped to the host pool when there is one
 (exact: the bytes come back untouched, so greedy output stays bit-identical), else it is
 recomputed: blocks freed, num_computed_tokens = 0, back to the waiting queue, and a later
 prefill step recomputes prompt + generated tokens in one chunk. When nothing outside the
@@ -54,6 +55,11 @@ class SchedulerConfig:
     min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
     quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
     overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
+    # split a prompt whose prefill exceeds a round's prefill budget while streams decode (token-level)
+    chunked_prefill: bool = True
+    # token-level, all resident, room to spare (alpha <= 0.5): quotas run in slices round-robin
+    # and prefill is spread between them (smoother streams; TTFT and throughput pay for it)
+    smooth_streams: bool = False
     admit_alpha: float = 0.9  # overload control admits new requests while the next round's alpha <= this
     max_decode_steps: int = 8  # decode steps the engine may run back to back per schedule call (1: one)
     # all resident: turns (up to max_decode_steps) long enough that a turn's fixed engine cost
@@ -70,8 +76,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
         if not 0 < self.admit_alpha <= 1:
             raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1], got {self.admit_alpha!r}")
-        if not isinstance(self.overload_control, bool):
-            raise ValueError(f"SchedulerConfig.overload_control must be a bool, got {self.overload_control!r}")
+        for name in ("overload_control", "chunked_prefill", "smooth_streams"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.turn_overhead_frac is not None and not 0 < self.turn_overhead_frac < 1:
             raise ValueError(f"SchedulerConfig.turn_overhead_frac must be in (0, 1) or None, "
                              f"got {self.turn_overhead_frac!r}")
@@ -89,10 +96,20 @@ class SchedulerOutput:
     swap_in: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, host, device)
     prefetch_model: str | None = None  # model expected next: start copying its weights now
     num_steps: int = 1  # decode steps the engine may run back to back with this batch (see _lookahead)
+    # request id -> tokens this step computes, for a request whose prefill is split (a chunk
+    # that stops short of num_tokens: no token comes out of it; see _prefill_step)
+    partial: dict[str, int] = field(default_factory=dict)
+
+    def new_tokens(self, request: Request) -> int:
+        """Tokens this step computes for `request`."""
+        return self.partial.get(request.request_id, request.num_new_tokens)
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.requests)
+        partial = self.partial
+        if not partial:
+            return sum(r.num_new_tokens for r in self.requests)
+        return sum(self.new_tokens(r) for r in self.requests)
 
 
 @dataclass(frozen=True)
@@ -259,6 +276,12 @@ class SchedulingPolicy(ABC):
         multi-step run teaches it once, after its last step)."""
         requests = self.requests
         live = [r for r in output.requests if requests.get(r.request_id) is r]
+        partial = output.partial
+        if partial:   # chunks of a split prefill: their KV is in, no token comes out
+            for request in live:
+                if request.request_id in partial:
+                    request.num_computed_tokens += partial[request.request_id]
+            live = [r for r in live if r.request_id not in partial]
         missing = [r.request_id for r in live if r.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for requests {missing} of the step")
@@ -301,30 +324,45 @@ class SchedulingPolicy(ABC):
 
     # -- shared machinery for _choose ----------------------------------------------------
 
-    def _prefill_step(self, model: str, candidates) -> SchedulerOutput | None:
+    def _prefill_step(self, model: str, candidates, chunk_tokens: int | None = None) -> SchedulerOutput | None:
         """Prefill the longest prefix of `candidates` (WAITING, oldest first) that fits the
-        group size, the token budget and the free blocks. Never preempts."""
+        group size, the token budget and the free blocks. Never preempts.
+
+        chunk_tokens: the step computes at most this many tokens; the request that crosses the
+        budget gets a chunk of what is left (chunked prefill: a long prompt takes several steps,
+        and other work can run between them). A split request stays WAITING, holding the blocks
+        of its whole prompt, with num_computed_tokens counting its chunks; no token comes out
+        until its last chunk, which moves it to RUNNING like any prefill. None: whole prompts
+        (one request may exceed max_prefill_tokens)."""
         shape = self.models[model].kv_shape
-        chosen, tokens = [], 0
+        budget = self.config.max_prefill_tokens if chunk_tokens is None else chunk_tokens
+        chosen, tokens, partial = [], 0, {}
         for request in candidates:
             if len(chosen) == self.config.max_prefill_group:
                 break
-            if chosen and tokens + request.num_new_tokens > self.config.max_prefill_tokens:
+            new = request.num_new_tokens
+            if chosen and tokens + new > budget and (chunk_tokens is None or tokens >= budget):
                 break
-            ids = self.block_manager.allocate(shape, blocks_for_tokens(request.num_tokens))
-            if ids is None:
-                break
-            request.block_ids = ids
+            if not request.block_ids:   # a split prefill's blocks were taken with its first chunk
+                ids = self.block_manager.allocate(shape, blocks_for_tokens(request.num_tokens))
+                if ids is None:
+                    break
+                request.block_ids = ids
             chosen.append(request)
-            tokens += request.num_new_tokens
+            if chunk_tokens is not None and tokens + new > budget:
+                partial[request.request_id] = budget - tokens
+                break
+            tokens += new
         if not chosen:
             return None
         queue = self.waiting[model]
         for request in chosen:
+            if request.request_id in partial:
+                continue
             queue.remove(request)
             request.status = RequestStatus.RUNNING
             self._insert_running(request)
-        return SchedulerOutput(model=model, requests=chosen, is_prefill=True)
+        return SchedulerOutput(model=model, requests=chosen, is_prefill=True, partial=partial)
 
     def _decode_step(self, model: str, max_steps: int = 1) -> SchedulerOutput | None:
         """A decode step over the model's RUNNING and SWAPPED requests (oldest first),
@@ -419,11 +457,17 @@ class SchedulingPolicy(ABC):
             r for reqs in self.running.values() for r in reqs
             if r.status is RequestStatus.RUNNING and r.request_id not in protected
         ]
+        candidates += [r for queue in self.waiting.values() for r in queue if r.block_ids]   # split prefills
         return max(candidates, key=self._age_key, default=None)
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         shape = self.models[victim.model].kv_shape
         self.num_preemptions += 1
+        if victim.status is RequestStatus.WAITING:   # a split prefill: its chunks are recomputed
+            self.block_manager.free(shape, victim.block_ids)
+            victim.block_ids = []
+            victim.num_computed_tokens = 0
+            return
         host = self.host_block_manager
         host_ids = host.allocate(shape, len(victim.block_ids)) if host is not None else None
         if host_ids is not None:

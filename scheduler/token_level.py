@@ -6,12 +6,29 @@ requests (one switch amortised over the group); the group may take several steps
 exceeds the prefill token budget. One group per boundary, then the next decode turn, so
 neither TTFT nor TBT can starve the other.
 
-Decode: one batch per model (all its running requests), served in rounds. At the start of
-a round each batch gets a time quota from the quota rule (scheduler/quota.py); a turn runs
-its batch until the next step would overrun the quota (judged from `now` and the
-estimator), at least one step. A batch alone runs until other work arrives. During a turn,
-a waiting request of the running model joins without a switch (a prefill step inside the
-turn), unless another model's request has waited longer: FCFS holds across models.
+Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
+whose predicted time exceeds a round's prefill budget (what the decoding streams' TBT SLOs
+leave, scheduler/overload.py) is cut to the tokens that fit it: the request that crosses the
+budget gets a chunk, and a decode turn runs before its next chunk. The runner takes a chunk
+like any other (it attends over the positions already cached); the request stays WAITING,
+holding its prompt's blocks, and no token comes out until its last chunk.
+
+Decode: one batch per model (all its running requests), served in rounds, the batch that
+ran longest ago first. At the start of a round each batch gets a time quota from the quota
+rule (scheduler/quota.py); a turn runs its batch until the next step would overrun the quota
+(judged from `now` and the estimator), at least one step. A batch alone runs until other
+work arrives. During a turn, a waiting request of the running model joins without a switch
+(a prefill step inside the turn), unless another model's request has waited longer: FCFS
+holds across models.
+
+Smooth streams (`SchedulerConfig.smooth_streams`, off by default). With every model of the
+round resident and room to spare (alpha <= SMOOTH_ALPHA), the quotas run in slices,
+round-robin (a slice: the steps that amortise the engine's cost of a turn, often one), and
+prefill is spread between them: after each prefill step every decoding batch runs a slice,
+no prefill step is longer than a rotation of slices, and a batch that starts decoding joins
+at once. A stream's gap is then about a rotation plus one prefill chunk instead of the other
+batches' whole turns plus every prefill that arrived meanwhile (agents that send their turns
+together); the price is TTFT and throughput (chunks and one-step runs cost more per token).
 
 Overload control (`SchedulerConfig.overload_control`, scheduler/overload.py). When the
 quota rule's alpha exceeds 1 the round serves the largest set of batches that fits, least
@@ -37,6 +54,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from scheduler.estimator import OnlineLinearFit
+from scheduler.kv_blocks import BLOCK_SIZE
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, admits, plan_round, select_round
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
 from scheduler.request import Request
@@ -46,6 +64,7 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-9  # seconds: float noise must not cost a turn its last step
 _OVERHEAD_EWMA = 0.05  # weight of each new per-step overhead sample
 _OVERHEAD_MAX_S = 0.05  # a longer gap between steps is a pause (GC, commands), not overhead
+SMOOTH_ALPHA = 0.5  # smooth streams: rounds up to this alpha run in slices and spread prefill (_slice, _spacing)
 LATE_AGE = 0.5  # a late waiting request goes last until it is late by this x its TTFT SLO (overload.py)
 
 
@@ -63,7 +82,14 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._group: tuple[str, list[str]] | None = None  # (model, request ids) being prefilled
         self._round: deque[str] = deque()  # models still to take a turn in this round
         self._quotas: dict[str, float] = {}
-        self._last_model: str | None = None
+        self._left: dict[str, float] = {}  # quota left to a batch whose turn ran a slice of it (_slice)
+        # smooth streams in this round (every model resident, room to spare): prefill is spread (_spacing)
+        self._spread = False
+        self._free_round = False  # and more than one batch: quotas run in slices
+        self._rotation_s = math.inf  # a free round's slices, one of each batch
+        self._owed: set[str] = set()  # batches to run a slice before the next prefill (_spacing)
+        self._served: dict[str, int] = {}  # model -> number of the latest output that ran it (round order)
+        self._num_outputs = 0
         # Prefill time the rounds can take (a token bucket): each decode step adds its share
         # (1 / alpha - 1) x its time, up to one round's budget; each prefill spends its time.
         self._prefill_credit_s = 0.0
@@ -80,6 +106,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         self.last_alpha_all: float | None = None  # alpha had every batch been served (overload signal)
         self.held: tuple[str, ...] = ()  # models held out of the latest round
         self._reserved: dict[str, list[str]] = {}  # waiting groups the round took in: model -> ids
+        self._chunked = False  # the latest output was a chunk of a split prefill
         self.num_held_rounds = 0  # rounds that held at least one batch
 
     @property
@@ -89,14 +116,25 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _choose(self, now: float) -> SchedulerOutput | None:
         self._ran_all = self._observe_overhead(now)
-        output = (
-            self._continue_group()
-            or self._continue_turn(now)
-            or self._start_group(now)
-            or self._start_turn(now)
-        )
+        if self._chunked or self._owed:   # a decode turn before the next prefill (see _spacing)
+            output = (
+                self._continue_turn(now)
+                or self._start_turn(now)
+                or self._continue_group(now)
+                or self._start_group(now)
+            )
+        else:
+            output = (
+                self._continue_group(now)
+                or self._continue_turn(now)
+                or self._start_group(now)
+                or self._start_turn(now)
+            )
+        self._chunked = output is not None and bool(output.partial)
         if output is not None:
-            self._last_model = output.model
+            self._spacing(output, now)
+            self._num_outputs += 1
+            self._served[output.model] = self._num_outputs
             output.prefetch_model = self._expected_next(output.model)
             self._last_step = (now, 0.0, 0, not output.is_prefill)
             self._planned_steps = output.num_steps
@@ -128,7 +166,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             return None
         self._group = group
         self._turn = None
-        return self._continue_group()
+        return self._continue_group(now)
 
     def _next_group(self, now: float) -> tuple[str, list[str]] | None:
         """The group to prefill next: (model, request ids), or None."""
@@ -191,14 +229,14 @@ class TokenLevelPolicy(SchedulingPolicy):
             n += 1
         return ids[:n]
 
-    def _continue_group(self) -> SchedulerOutput | None:
+    def _continue_group(self, now: float) -> SchedulerOutput | None:
         if self._group is None:
             return None
         model, members = self._group
         queue_ids = {r.request_id for r in self.waiting.get(model, ())}
         members = [rid for rid in members if rid in queue_ids]
-        output = self._prefill_step(model, [self.requests[rid] for rid in members]) if members else None
-        done = {r.request_id for r in output.requests} if output else set()
+        output = self._prefill_step(model, *self._chunked_group(model, members)) if members else None
+        done = {r.request_id for r in output.requests if r.request_id not in output.partial} if output else set()
         rest = [rid for rid in members if rid not in done]
         # A group that cannot progress (no room) is dropped; its requests stay queued.
         self._group = (model, rest) if rest and output else None
@@ -223,13 +261,43 @@ class TokenLevelPolicy(SchedulingPolicy):
         if over:
             self._turn = None
             return None
-        if self.waiting[model]:
+        if self.waiting[model] and not self._chunked and not self._owed:
             joining = self._joining(model, now)
             if joining:
-                output = self._prefill_step(model, [self.requests[rid] for rid in joining])
+                output = self._prefill_step(model, *self._chunked_group(model, joining))
                 if output is not None:
                     return output
         return self._turn_run(turn, now, step)
+
+    def _chunked_group(self, model: str, ids: list[str]) -> tuple[list[Request], int | None]:
+        """The requests of a prefill step and its chunk budget (see _chunk_tokens)."""
+        requests = [self.requests[rid] for rid in ids]
+        tokens = sum(r.num_new_tokens for r in requests[: self.config.max_prefill_group])
+        return requests, self._chunk_tokens(model, min(tokens, self.config.max_prefill_tokens))
+
+    def _chunk_tokens(self, model: str, tokens: int) -> int | None:
+        """The token budget of a prefill step of `model` that would compute `tokens`, while
+        streams decode: None (whole prompts) when its predicted time fits a round's prefill
+        budget (and, in a free round, a rotation of slices), else the tokens that do (at least
+        a block). A prompt longer than that is split into chunks with a decode turn between
+        them (`_choose`), so no prefill step holds the decoding streams longer than their TBT
+        SLOs leave a round for prefill (scheduler/overload.py), however long the prompt. None
+        as well when nothing decodes (nobody to keep on time) or with chunked prefill off."""
+        cap = min(self._prefill_cap_s, self._rotation_s)
+        if not self.config.chunked_prefill or not math.isfinite(cap) or not any(
+                self._has_decode_work(m) and m not in self.held for m in self.models):
+            return None
+        predict = self.estimator.predict_prefill
+        if predict(model, tokens) <= cap:
+            return None
+        low, high = BLOCK_SIZE, tokens   # the largest budget whose prefill fits, at least a block
+        while high - low > 1:
+            mid = (low + high) // 2
+            if predict(model, mid) <= cap:
+                low = mid
+            else:
+                high = mid
+        return low
 
     def _turn_run(self, turn: _Turn, now: float, step: float | None = None) -> SchedulerOutput | None:
         """The next multi-step run of `turn`'s batch. Its steps: the whole number nearest to
@@ -277,7 +345,7 @@ class TokenLevelPolicy(SchedulingPolicy):
                     continue
                 # the quota counts decode time only: a switch paid first extends the turn
                 switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
-                turn = _Turn(model, now + switch + self._quotas[model])
+                turn = _Turn(model, now + switch + self._slice(model))
                 output = self._turn_run(turn, now + switch)
                 if output is not None:
                     self._turn = turn
@@ -287,9 +355,53 @@ class TokenLevelPolicy(SchedulingPolicy):
                 return self._start_group(now) if self._reserved else None
         return None
 
+    def _slice(self, model: str) -> float:
+        """The part of `model`'s quota its turn takes now. With smooth streams, a round whose
+        switches are free (every model resident) runs each quota in slices, round-robin: a
+        slice is as many steps as amortise the engine's cost of a turn (`turn_overhead_frac`,
+        at least one step), and the rest of the quota comes back at the end of the round. The
+        round's quotas, alpha and prefill budget stay what the rule planned; only the order of
+        the steps changes, so a stream waits for the other batches' slices rather than their
+        whole quotas."""
+        quota = self._left.pop(model, self._quotas.get(model, math.inf))
+        if not self._free_round or not math.isfinite(quota):
+            return quota
+        piece = self._slice_s(model, quota)
+        if piece < quota:
+            self._left[model] = quota - piece
+            self._round.append(model)
+        return piece
+
+    def _slice_s(self, model: str, quota: float) -> float:
+        """One slice of a `quota` of `model`'s in a free round: the steps that amortise a turn's
+        cost, all of the quota when less than half a step would be left."""
+        step = self._predict_decode(model)
+        if not step > 0:
+            return quota
+        steps = max(1, int(self.turn_cost_s / self.config.turn_overhead_frac / step))
+        return quota if quota - steps * step < step / 2 else steps * step
+
+    def _spacing(self, output: SchedulerOutput, now: float) -> None:
+        """Prefill while resident streams decode on time (a free round, or a batch alone): after
+        a prefill step (a group's, a chunk, a join) every decoding batch of the round runs a
+        slice before the next one, and no step prefills for longer than a rotation of slices
+        (`_chunk_tokens`). So while streams decode, prefill takes at most about half the
+        device, and a stream's gap holds one prefill step rather than a burst of them (agents
+        that send their turns together)."""
+        if not output.is_prefill:
+            self._owed.discard(output.model)
+            return
+        if not self._spread:
+            return
+        if output.model not in self._quotas and len(output.partial) < len(output.requests):
+            # a batch starts decoding: a new round takes it in at once (LRU order puts it last),
+            # rather than after every slice of this one
+            self._new_round(now)
+        self._owed = {m for m in self._quotas if self._has_decode_work(m)}
+
     def _new_round(self, now: float) -> None:
-        """Choose the round's batches (all of them unless overloaded), order them round-robin
-        (starting after the last model that ran) and give each its quota."""
+        """Choose the round's batches (all of them unless overloaded), order them by when each
+        last ran (longest ago first) and give each its quota."""
         names = list(self.models)
         models = [m for m in names if self._has_decode_work(m)]
         self._reserved = {}
@@ -319,12 +431,20 @@ class TokenLevelPolicy(SchedulingPolicy):
         served = [m for m in models if m in plan.models]
         if self._reserved and served:   # quotas of the batches decoding now; reserved ones start next round
             plan = plan_round([b for b in loads if b.model in served], self._rule())
-        models = served
-        if self._last_model in names:
-            start = names.index(self._last_model)
-            models.sort(key=lambda m: (names.index(m) - start - 1) % len(names))
+        # the batch that ran longest ago goes first: round-robin while every batch is served, and
+        # a batch that just had its prefill (its first token) or its turn waits for the others
+        models = sorted(served, key=lambda m: self._served.get(m, 0))
         self._round = deque(models)
         self._quotas = dict(zip(plan.models, plan.quota.quotas_s))
+        self._left = {}
+        # slices and spread prefill only in a round with room to spare: near the device's
+        # capacity, and under overload, the round's batches are chosen by their slack
+        # (overload.py), judged over whole turns and whole prefills
+        self._spread = (self.config.smooth_streams and set(models) <= self.resident and plan.alpha <= SMOOTH_ALPHA
+                        and not self.held and self.config.turn_overhead_frac is not None)
+        self._free_round = self._spread and len(models) > 1
+        self._rotation_s = sum(self._slice_s(m, self._quotas[m]) for m in models) if self._spread else math.inf
+        self._owed = self._owed & set(models) if self._spread else set()
         self._prefill_cap_s = plan.prefill_budget_s
         self._prefill_rate = 1.0 / plan.alpha - 1.0 if plan.alpha < 1 else 0.0
         self._prefill_credit_s = min(self._prefill_credit_s, self._prefill_cap_s)

@@ -169,6 +169,28 @@ def test_seeded_sampling_is_reproducible_across_interleavings(zoo_model):
     assert len({tuple(v) for v in first.values()}) > 1
 
 
+@pytest.mark.parametrize("smooth", [False, True])
+def test_chunked_prefill_equals_hf_generate_and_keeps_seeded_streams(zoo_model, smooth):
+    """Every prompt prefilled in chunks of 5 tokens (the policy's chunk budget forced; a decode
+    turn between chunks when another model decodes): greedy output still equals generate(),
+    no token comes out of a chunk, and a seeded stream draws what it draws unchunked."""
+    models = ["llama-tiny-a", "qwen2-tiny-b"]
+    paths = {m: zoo_model(m) for m in models}
+    greedy = [r for r in _greedy_requests(models, seed=9) if len(r.prompt_token_ids) > 5][:12]
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+    seeded = [GenerateRequest(f"s{i}", models[i % 2], tuple(p), params) for i, p in enumerate(_prompts(11, 4))]
+    whole = _run(_engine(paths, num_slots=2), list(seeded))
+    engine = _engine(paths, num_slots=2, smooth_streams=smooth)
+    engine.policy._chunk_tokens = lambda model, tokens: 5 if tokens > 5 else None
+    out = _run(engine, greedy + seeded)
+    for r in greedy:
+        assert out[r.request_id]["tokens"] == hf_greedy(paths[r.model], list(r.prompt_token_ids), MAX_NEW), \
+            r.request_id
+    assert {k: out[k]["tokens"] for k in whole} == {k: v["tokens"] for k, v in whole.items()}
+    # a prompt of n tokens took ceil(n / 5) prefill steps: more steps than requests
+    assert engine.num_steps > sum(-(-len(r.prompt_token_ids) // 5) for r in greedy)
+
+
 def test_stop_strings_and_eos_end_requests(zoo_model):
     model = "llama-tiny-a"
     path = zoo_model(model)

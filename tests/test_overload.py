@@ -246,3 +246,60 @@ def test_a_burst_of_long_prompts_is_prefilled_within_the_budget_not_as_one_stall
     assert (times[-1] - times[0]) / (len(times) - 1) <= 0.05
     prefills = [out for out in engine.trace if out.is_prefill and out.model == "b"]
     assert len(prefills) > 1   # the rest went in as a's steps earned room for them
+
+
+def _prefill_steps(engine, model):
+    """(index, seconds) of each prefill step of `model`, from the tokens it computed then."""
+    steps = []
+    for i, (out, (_, _, rows)) in enumerate(zip(engine.trace, engine.log)):
+        if out.is_prefill and out.model == model:
+            tokens = sum(out.partial.get(rid, total - done) for rid, done, total in rows)
+            steps.append((i, 0.005 + 1e-4 * tokens))
+    return steps
+
+
+def _gaps(engine, rid):
+    times = next(r for out in engine.trace for r in out.requests if r.request_id == rid).token_times
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_prompt_longer_than_the_prefill_budget_is_split_with_decode_between(chunked):
+    # a streams alone (alpha 0.25, a round of 4 steps: prefill budget 0.04 x (1/0.25 - 1) = 0.12 s);
+    # b's prompt of 1500 tokens takes 0.155 s. Chunked, no prefill step exceeds the budget and a
+    # decodes between the chunks; whole, a waits for all of it.
+    arrivals = [(0.0, _req("a0", "a", 0.0, max_tokens=60, tbt=0.04)),
+                (0.05, _req("b0", "b", 0.05, max_tokens=5, prompt=1500, ttft=2.0))]
+    engine, _ = _drive(_policy(SchedulerConfig(chunked_prefill=chunked), models="ab"), arrivals)
+    steps = _prefill_steps(engine, "b")
+    b0 = engine.trace[steps[0][0]].requests[0]
+    assert len(b0.output_token_ids) == 5 and b0.num_computed_tokens == 1504
+    if chunked:
+        assert len(steps) >= 2 and all(s <= 0.12 * 1.01 for _, s in steps)   # as the estimator predicts it
+        assert sum(s - 0.005 for _, s in steps) == pytest.approx(1500 * 1e-4)
+        assert max(_gaps(engine, "a0")) <= 0.12 * 1.01 + STEP
+    else:
+        assert len(steps) == 1 and max(_gaps(engine, "a0")) >= 0.155
+
+
+@pytest.mark.parametrize("smooth", [True, False])
+def test_smooth_streams_run_turns_in_slices_and_spread_prefill(smooth):
+    # three resident streams with room to spare (TBT 0.5 s: alpha 0.06) run 4-step quotas; with
+    # smooth_streams they run a step at a time, round-robin (no turn cost to amortise here), and a
+    # prompt of 600 tokens (0.065 s) arriving meanwhile is prefilled in chunks of at most a rotation
+    # of slices (3 steps), each followed by a slice of every stream
+    arrivals = [(0.0, _req(f"{m}0", m, 0.0, max_tokens=80, tbt=0.5)) for m in "abc"]
+    arrivals += [(0.3, _req("d0", "d", 0.3, max_tokens=5, prompt=600, tbt=0.5, ttft=2.0))]
+    engine, _ = _drive(_policy(SchedulerConfig(smooth_streams=smooth), models="abcd"), arrivals)
+    runs = [(out.model, out.num_steps) for out in engine.trace if not out.is_prefill and out.model != "d"][6:40]
+    prefill = _prefill_steps(engine, "d")
+    worst = max(max(_gaps(engine, f"{m}0")) for m in "abc")
+    if smooth:
+        assert all(n == 1 for _, n in runs) and all(x != y for (x, _), (y, _) in zip(runs, runs[1:]))
+        assert len(prefill) >= 3 and all(s <= 3 * STEP + 1e-9 for _, s in prefill)
+        for (i, _), (j, _) in zip(prefill, prefill[1:]):   # every stream had a slice between two prefill steps
+            assert {out.model for out in engine.trace[i + 1:j]} >= set("abc")
+        assert worst <= 3 * STEP + 3 * STEP + 1e-9   # a rotation and a chunk
+    else:
+        assert all(n == 4 for _, n in runs) and len(prefill) == 1
+        assert worst >= 8 * STEP + 0.065 - 1e-9   # two other turns and the whole prefill

@@ -60,6 +60,11 @@ class SchedulerArgs(BaseModel):
                                              "share of it (within the TBT SLO; null: min_quota_steps)")
     quota_switch_factor: float | None = Field(None, gt=0, description="cap quotas at this x the round's switch "
                                                                       "cost (null: Q_max only)")
+    chunked_prefill: bool | None = Field(None, description="split a prompt whose prefill exceeds a round's "
+                                         "prefill budget while streams decode")
+    smooth_streams: bool | None = Field(None, description="with every model resident and room to spare, run "
+                                        "turns in slices round-robin and spread prefill between them: smoother "
+                                        "streams, at the price of TTFT and throughput")
 
     def config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.model_dump(exclude_unset=True))

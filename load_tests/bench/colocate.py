@@ -60,10 +60,10 @@ def _child(names: list[str], path: str, specs: list[dict], options: dict, ready,
         with bench_host_cache() as cache:
             engine = engine_for({n: Path(path) for n in names}, num_slots=options["slots"] or len(names),
                                 tokens_per_model=tokens + 16, device=device, dtype=options["dtype"], host_cache=cache)
-            if options.get("quota_steps"):   # decode steps per turn when every model is resident
+            if options.get("scheduler"):   # tokenmux's scheduler settings other than the defaults
                 import dataclasses
 
-                engine.policy.config = dataclasses.replace(engine.policy.config, min_quota_steps=options["quota_steps"])
+                engine.policy.config = dataclasses.replace(engine.policy.config, **options["scheduler"])
             # warm up at the first turn's prompt length (first calls of a shape are slow on a CPU)
             first = [[9] * (agents[0].spec.system_tokens + agents[0].spec.user_tokens)]
             run_to_completion(engine, [r for n in names for r in greedy_requests(n, first, 4, "warm")])
@@ -108,7 +108,7 @@ def run_arrangement(arrangement: str, n: int, path: Path, args) -> dict:
     groups = [(names, specs)] if arrangement == "tokenmux" else [([nm], [sp]) for nm, sp in zip(names, specs)]
     options = {"device": args.device, "dtype": args.dtype, "threads": args.threads,
                "slots": args.tokenmux_slots if arrangement == "tokenmux" else 1,
-               "quota_steps": args.quota_steps if arrangement == "tokenmux" else None}
+               "scheduler": _scheduler_overrides(args) if arrangement == "tokenmux" else {}}
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_child, args=(g_names, str(path), g_specs, options, ready, go, out), daemon=True)
@@ -126,6 +126,18 @@ def run_arrangement(arrangement: str, n: int, path: Path, args) -> dict:
         raise RuntimeError(f"{arrangement} with {n} agents failed: {errors}")
     return _figures([a for r in results for a in r["agents"]], sum(r["memory_bytes"] for r in results),
                     sum(r["swaps"] for r in results), len(procs))
+
+
+def _scheduler_overrides(args) -> dict:
+    """SchedulerConfig fields the command line sets for tokenmux's engine (the ablations)."""
+    overrides = {}
+    if args.quota_steps:   # decode steps per turn when every model is resident
+        overrides["min_quota_steps"] = args.quota_steps
+    if args.no_chunked_prefill:
+        overrides["chunked_prefill"] = False
+    if args.smooth:
+        overrides["smooth_streams"] = True
+    return overrides
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -305,6 +317,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "agent, the memory the time-sliced engines hold together)")
     parser.add_argument("--quota-steps", type=int, help="tokenmux's decode steps per turn when every model is "
                         "resident (SchedulerConfig.min_quota_steps; default: the scheduler's, 4)")
+    parser.add_argument("--no-chunked-prefill", action="store_true", help="tokenmux prefills whole prompts "
+                        "(SchedulerConfig.chunked_prefill=False; the ablation)")
+    parser.add_argument("--smooth", action="store_true", help="tokenmux's engine smooths its streams "
+                        "(SchedulerConfig.smooth_streams: turns in slices, prefill spread between them)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every arrangement (medians reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results here")
