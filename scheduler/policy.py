@@ -9,13 +9,14 @@ sampled tokens in `update`.
 Preemption. Only a decode step may preempt; a prefill waits for room (so admission can
 never evict work in flight). The victim is the most recently arrived RUNNING request of any
 model outside the step being built, or a split prefill (a WAITING request holding the blocks
-of its first chunks, see _prefill_step), whose chunks are then recomputed. Its KV is swapped to the host pool when there is one
-(exact: the bytes come back untouched, so greedy output stays bit-identical), else it is
-recomputed: blocks freed, num_computed_tokens = 0, back to the waiting queue, and a later
-prefill step recomputes prompt + generated tokens in one chunk. When nothing outside the
-step can be evicted, the step sheds its own newest requests. add_request refuses a request
-that could not fit alone in the empty pool, so the oldest request of a step always gets its
-blocks: every admitted request finishes or is aborted.
+of its first chunks, see _prefill_step; its blocks are freed and its chunks recomputed). A
+RUNNING victim's KV is swapped to the host pool when there is one (exact: the bytes come
+back untouched, so greedy output stays bit-identical), else it is recomputed: blocks freed,
+num_computed_tokens = 0, back to the waiting queue, and a later prefill step recomputes
+prompt + generated tokens in one chunk. When nothing outside the step can be evicted, the
+step sheds its own newest requests. add_request refuses a request that could not fit alone
+in the empty pool, so the oldest request of a step always gets its blocks: every admitted
+request finishes or is aborted.
 
 The engine applies a SchedulerOutput in this order: swap_out copies, then swap_in copies,
 then the forward pass. Device blocks freed by a swap-out may be handed to a swap-in or to a
@@ -106,9 +107,6 @@ class SchedulerOutput:
 
     @property
     def num_new_tokens(self) -> int:
-        partial = self.partial
-        if not partial:
-            return sum(r.num_new_tokens for r in self.requests)
         return sum(self.new_tokens(r) for r in self.requests)
 
 

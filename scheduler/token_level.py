@@ -440,8 +440,9 @@ class TokenLevelPolicy(SchedulingPolicy):
         # slices and spread prefill only in a round with room to spare: near the device's
         # capacity, and under overload, the round's batches are chosen by their slack
         # (overload.py), judged over whole turns and whole prefills
-        self._spread = (self.config.smooth_streams and set(models) <= self.resident and plan.alpha <= SMOOTH_ALPHA
-                        and not self.held and self.config.turn_overhead_frac is not None)
+        self._spread = (self.config.smooth_streams and set(models) <= self.resident
+                        and plan.alpha <= SMOOTH_ALPHA and not self.held
+                        and self.config.turn_overhead_frac is not None)
         self._free_round = self._spread and len(models) > 1
         self._rotation_s = sum(self._slice_s(m, self._quotas[m]) for m in models) if self._spread else math.inf
         self._owed = self._owed & set(models) if self._spread else set()
