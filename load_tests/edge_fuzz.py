@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import random
+import time
 
 NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty",
                   "frequency_penalty", "ttft_slo_s", "tbt_slo_s")
@@ -90,44 +91,72 @@ def poison_bodies(model: str, seed: int = 0, limit: int | None = None) -> list[s
 async def poison_collateral(url: str, model: str, headers: dict[str, str] | None = None, num_innocent: int = 8,
                             max_tokens: int = 24, poisons: list[str] | None = None, seed: int = 0,
                             timeout_s: float = 120.0) -> dict:
-    """Innocent greedy streams alone, then again with `poisons` (raw JSON bodies) sent among them."""
+    """Innocent greedy streams alone, then again with `poisons` (raw JSON bodies) sent among them.
+    A 429 is sent again after its Retry-After, as the openai SDK does: sent all at once, the
+    poisons can outnumber what a server sized for its host takes at a time, and a refusal for
+    that is the server's concurrency limit, not the poison (`retried_429` says how many)."""
     import httpx
 
     headers = {"content-type": "application/json", **(headers or {})}
     poisons = poison_bodies(model, seed) if poisons is None else poisons
     innocents = [{"model": model, "prompt": f"Innocent request number {i}.", "max_tokens": max_tokens,
                   "temperature": 0, "ignore_eos": True, "stream": True} for i in range(num_innocent)]
+    retried = [0]
+
+    async def until_taken(send):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status, result, retry_after = await send()
+            if status != 429 or time.monotonic() + retry_after > deadline:
+                return status, result
+            retried[0] += 1
+            await asyncio.sleep(retry_after)
+
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s) as client:
-        undisturbed = await asyncio.gather(*[_stream_ids(client, body) for body in innocents])
-        results = await asyncio.gather(*[_stream_ids(client, body) for body in innocents],
-                                       *[_post_raw(client, body) for body in poisons])
-    disturbed, statuses = results[:num_innocent], results[num_innocent:]
+        def stream(body):
+            return until_taken(lambda: _stream_ids(client, body))
+
+        def post(body):
+            return until_taken(lambda: _post_raw(client, body))
+
+        undisturbed = [ids for _, ids in await asyncio.gather(*map(stream, innocents))]
+        results = await asyncio.gather(*map(stream, innocents), *map(post, poisons))
+    disturbed = [ids for _, ids in results[:num_innocent]]
+    statuses = [status for status, _ in results[num_innocent:]]
     collateral = sum(d != u or d is None for d, u in zip(disturbed, undisturbed))
     return {"poison_requests": len(poisons),
             "poison_accepted": sum(s == 200 for s in statuses),
             "poison_5xx": sum(s >= 500 for s in statuses),
             "poison_collateral": collateral,
+            "poison_retried_429": retried[0],
             "innocent_requests": num_innocent,
             "innocent_undisturbed_ok": all(u is not None and len(u) == max_tokens for u in undisturbed)}
 
 
-async def _stream_ids(client, body: dict) -> list[int] | None:
-    """Token ids of one streamed completion; None when it failed."""
+def _retry_after(resp) -> float:
+    try:
+        return max(0.0, float(resp.headers.get("retry-after", 1)))
+    except ValueError:
+        return 1.0
+
+
+async def _stream_ids(client, body: dict) -> tuple[int, list[int] | None, float]:
+    """(status, token ids of one streamed completion or None when it failed, Retry-After)."""
     ids: list[int] = []
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
-            return None
+            return resp.status_code, None, _retry_after(resp)
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
-                return None
+                return resp.status_code, None, 0.0
             ids += chunk.get("tokenmux", {}).get("token_ids", [])
-    return ids
+    return resp.status_code, ids, 0.0
 
 
-async def _post_raw(client, body: str) -> int:
+async def _post_raw(client, body: str) -> tuple[int, None, float]:
     resp = await client.post("/v1/completions", content=body.encode())
-    return resp.status_code
+    return resp.status_code, None, _retry_after(resp)
 

@@ -199,6 +199,7 @@ def _answers(ray, handle) -> bool:
     ({"models": {"a": "zoo:llama-tiny-a"}, "policy": "fifo"}, "policy"),
     ({"models": {"a": "zoo:llama-tiny-a"}, "num_replicas": 2}, "num_replicas"),
     ({"models": {"a": "zoo:llama-tiny-a"}, "slo": {"ttft_s": 0}}, "ttft_s"),
+    ({"models": {"a": "zoo:llama-tiny-a"}, "max_queued_requests": 0}, "max_queued_requests"),
 ])
 def test_bad_app_args_name_the_field(bad, field):
     from deploy.serve_app.app_args import parse_app_args

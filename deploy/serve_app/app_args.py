@@ -92,9 +92,9 @@ class AppArgs(BaseModel):
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica")
     max_ongoing_requests: int = Field(256, ge=1, description="per ingress replica (Serve's default is 5)")
-    max_queued_requests: int = Field(64, ge=-1, description="per ingress replica: requests Serve's proxy holds "
-                                                         "beyond max_ongoing_requests; more get a 429 there "
-                                                         "(-1: no bound)")
+    max_queued_requests: int = Field(1, ge=-1, description="per ingress replica: requests Serve's proxy holds "
+                                                        "beyond max_ongoing_requests, unseen by admission; "
+                                                        "more get a 429 there (-1: no bound)")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
     api_keys: list[str] = Field(default_factory=list, description="HTTP API keys, or sha256:<hex> digests of them")
     require_api_key: bool = Field(False, description="refuse to start unless api_keys or $TOKENMUX_API_KEYS "
@@ -110,6 +110,13 @@ class AppArgs(BaseModel):
     @classmethod
     def _hash_keys(cls, keys: list[str]) -> list[str]:
         return list(key_digests(keys))
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _check_queue(cls, n: int) -> int:
+        if n == 0:   # Serve takes -1 or a positive bound, and would fail only at deploy
+            raise ValueError("max_queued_requests must be -1 (no bound) or at least 1, got 0")
+        return n
 
     @field_validator("models")
     @classmethod

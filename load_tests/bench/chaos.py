@@ -46,13 +46,14 @@ MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b"}
 MiB = 1 << 20
 TTFT_SLO_S = 2.0
 # Serve's bounds on the ingress sized to this host: on 2 cores its HTTP path processes ~100
-# requests per second, and what Serve holds past that waits before admission can see it (no
-# deadline there). With the defaults (256 in the replica + 64 queued in the proxy) accepted
-# requests waited ~2-16 s for admission at 10x overload; with these, Serve's proxy refuses the
-# excess at once (its own 429) and what enters the replica is admitted or refused within ~1 s.
+# requests per second. What Serve's proxy holds past max_ongoing_requests waits before admission
+# can see it (no deadline there): with 256 + 64 queued, accepted requests waited ~2-16 s for
+# admission at 10x overload; with 96 + 8 queued, the 8 queued still waited up to 3.6 s (Serve's
+# router probes a full replica with backoff) and were then accepted by an edge that saw no
+# queue, so the proxy now holds one (the app's default) and refuses the rest at once.
 SERVER_ARGS = {"devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB, "kv_fraction": 0.25,
                "host_kv_gb": 0.01, "num_slots": 2, "max_tokens_cap": 64, "default_max_tokens": 16,
-               "max_ongoing_requests": 96, "max_queued_requests": 8,
+               "max_ongoing_requests": 96, "max_queued_requests": 1,
                "slo": {"ttft_s": TTFT_SLO_S, "tbt_s": 0.5}}
 FLOORS = {"worker_kill_lost": ("==", 0), "worker_kill_exact": ("==", True), "router_kill_recovery_s": ("<=", 10.0),
           "worker_replaced_s": ("<=", 30.0), "disconnect_hung_workers": ("==", 0),
