@@ -94,7 +94,7 @@ async def poison_collateral(url: str, model: str, headers: dict[str, str] | None
     """Innocent greedy streams alone, then again with `poisons` (raw JSON bodies) sent among them.
     A 429 is sent again after its Retry-After, as the openai SDK does: sent all at once, the
     poisons can outnumber what a server sized for its host takes at a time, and a refusal for
-    that is the server's concurrency limit, not the poison (`retried_429` says how many)."""
+    that is the server's concurrency limit, not the poison (`poison_retried_429` says how many)."""
     import httpx
 
     headers = {"content-type": "application/json", **(headers or {})}
