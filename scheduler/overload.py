@@ -11,14 +11,19 @@ until a round has room. A held batch's slack shrinks while it waits, so it comes
 room appears: nothing starves while the batches it waits behind finish.
 
 Slack is time banked against the SLO: a stream's next token is due at first + k * TBT (its
-mean-TPOT budget), a waiting request's first token at arrival + TTFT. Waiting requests of
+pace: the mean-TPOT budget were it to end with that token), a waiting request's first token
+at arrival + TTFT. A stream whose last token would be late even were it to run at full speed
+to max_tokens (first + (max_tokens - 1) * TBT, less its remaining tokens at its batch's step
+time) is lost at any length: when every stream of a batch is lost the batch goes last, like
+a late first token, since serving it saves no request. Waiting requests of
 models not decoding compete for the round too, so a stream that ran ahead of its TBT can sit
 out a round for a request whose first token is due. Two guards keep that from turning into
 every stream falling behind together (EDF's domino under overload): a decoding batch with
 less than `guard_s` of slack (two rounds) is never passed by a waiting one, and a waiting
 request whose first token is already late goes last (rushing it saves nothing: its TTFT is
 lost; it still runs once there is room) -- for a while: once it is late by half its TTFT SLO
-(`aged`) it goes back into deadline order, where it is first. Without that bound a late
+(`aged`) it goes back into deadline order, where it is first. A lost stream is aged once it
+has gone that long (1.5x its TTFT SLO) without a token. Without that bound a late
 request waited for the whole overload while admission kept letting in requests that were on
 time (the chaos bench's accepted TTFT p99 was 6-12x the SLO).
 
@@ -56,7 +61,9 @@ class BatchLoad:
     switch_s: float  # swap-in time if this round has to switch it in
     slack_s: float  # until its most urgent request's next token is due (may be negative)
     waiting: bool = False  # requests not prefilled yet: the batch would start this round
-    aged: bool = False  # waiting, and late long enough to go back into deadline order
+    # decoding, and every request past saving: its mean TPOT misses even at full speed to max_tokens
+    lost: bool = False
+    aged: bool = False  # waiting or lost, and late long enough to go back into deadline order
 
     def __post_init__(self) -> None:
         if not self.tbt_slo_s > 0 or not self.step_s > 0:
@@ -122,13 +129,16 @@ def plan_round(batches: Sequence[BatchLoad], rule: RoundRule) -> RoundPlan:
 
 
 def priority(batch: BatchLoad, guard_s: float = 0.0) -> float:
-    """Sort key of a batch, smallest first: least slack first, with two exceptions.
+    """Sort key of a batch, smallest first: least slack first, with three exceptions.
     A decoding batch with less than `guard_s` of slack is never passed by a waiting one
     (it could not sit out a round without falling behind its TBT); a waiting batch whose
-    first token is already late goes last (rushing it saves no request: its TTFT is lost),
-    until it is `aged` (then its deadline, the earliest, puts it first)."""
+    first token is already late, and a decoding batch that is `lost`, go last (rushing them
+    saves no request), until they are `aged` (then their deadline, the earliest, puts them
+    first)."""
     if batch.waiting:
         return batch.slack_s if batch.slack_s >= 0 or batch.aged else math.inf
+    if batch.lost and not batch.aged:
+        return math.inf
     return -math.inf if batch.slack_s < guard_s else batch.slack_s
 
 

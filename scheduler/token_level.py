@@ -7,11 +7,12 @@ exceeds the prefill token budget. One group per boundary, then the next decode t
 neither TTFT nor TBT can starve the other.
 
 Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
-whose predicted time exceeds a round's prefill budget (what the decoding streams' TBT SLOs
-leave, scheduler/overload.py) is cut to the tokens that fit it: the request that crosses the
-budget gets a chunk, and a decode turn runs before its next chunk. The runner takes a chunk
-like any other (it attends over the positions already cached); the request stays WAITING,
-holding its prompt's blocks, and no token comes out until its last chunk.
+whose predicted time exceeds both a round's prefill budget (what the decoding streams' TBT
+SLOs leave, scheduler/overload.py) and one TBT SLO of theirs is cut to the tokens that fit:
+the request that crosses the budget gets a chunk, and a decode turn runs before its next
+chunk. The runner takes a chunk like any other (it attends over the positions already
+cached); the request stays WAITING, holding its prompt's blocks, and no token comes out
+until its last chunk.
 
 Decode: one batch per model (all its running requests), served in rounds, the batch that
 ran longest ago first. At the start of a round each batch gets a time quota from the quota
@@ -278,14 +279,24 @@ class TokenLevelPolicy(SchedulingPolicy):
     def _chunk_tokens(self, model: str, tokens: int) -> int | None:
         """The token budget of a prefill step of `model` that would compute `tokens`, while
         streams decode: None (whole prompts) when its predicted time fits a round's prefill
-        budget (and, in a free round, a rotation of slices), else the tokens that do (at least
-        a block). A prompt longer than that is split into chunks with a decode turn between
-        them (`_choose`), so no prefill step holds the decoding streams longer than their TBT
-        SLOs leave a round for prefill (scheduler/overload.py), however long the prompt. None
-        as well when nothing decodes (nobody to keep on time) or with chunked prefill off."""
-        cap = min(self._prefill_cap_s, self._rotation_s)
-        if not self.config.chunked_prefill or not math.isfinite(cap) or not any(
-                self._has_decode_work(m) and m not in self.held for m in self.models):
+        budget or the decoding streams' tightest TBT SLO, whichever is longer (and, in a free
+        round, a rotation of slices), else the tokens that do (at least a block). A prompt
+        longer than that is split into chunks with a decode turn between them (`_choose`), so
+        no prefill step holds the decoding streams longer than their TBT SLOs leave a round for
+        prefill (scheduler/overload.py) or one token's budget, however long the prompt. Near
+        capacity the round's budget is a sliver: splitting every prompt into block-sized chunks
+        there cost each chunk a step's fixed cost and its request a decode turn per chunk
+        (token-level's goodput on the bursty load test at 0.72 req/s: 0.86 split at the
+        sliver, 0.96 with this floor; 6 seeds each).
+        None as well when nothing decodes (nobody to keep on time) or with chunked prefill off."""
+        decoding = [m for m in self.models if self._has_decode_work(m) and m not in self.held]
+        if not self.config.chunked_prefill or not decoding:
+            return None
+        # a prefill no longer than one token's budget of the decoding streams is not split:
+        # they absorb that gap like any other, and each chunk would pay a step's fixed cost
+        tbt = min(r.slo.tbt_s for m in decoding for r in self.running[m])
+        cap = min(max(self._prefill_cap_s, tbt), self._rotation_s)
+        if not math.isfinite(cap):
             return None
         predict = self.estimator.predict_prefill
         if predict(model, tokens) <= cap:
@@ -464,8 +475,12 @@ class TokenLevelPolicy(SchedulingPolicy):
         """`model`'s batch for the next round, with `extra` (waiting) requests joining it."""
         batch = self.running[model][: self.config.max_batch_size] + list(extra)
         step = self.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
-        return BatchLoad(model, min(r.slo.tbt_s for r in batch), step + self.step_overhead_s,
-                         self.estimator.predict_switch(model), min(self._slack(r, now) for r in batch))
+        step += self.step_overhead_s
+        lost = not extra and all(self._lost(r, now, step) for r in batch)
+        aged = lost and any(r.token_times and now - r.token_times[-1] > (1.0 + LATE_AGE) * r.slo.ttft_s
+                            for r in batch)
+        return BatchLoad(model, min(r.slo.tbt_s for r in batch), step, self.estimator.predict_switch(model),
+                         min(self._slack(r, now) for r in batch), lost=lost, aged=aged)
 
     def _goes_last(self, request: Request, now: float) -> bool:
         """A waiting request already late, not yet aged: it yields to those still on time."""
@@ -485,6 +500,26 @@ class TokenLevelPolicy(SchedulingPolicy):
         if request.first_token_time is None:
             return request.arrival_time + request.slo.ttft_s - now
         return request.first_token_time + request.num_output_tokens * request.slo.tbt_s - now
+
+    @staticmethod
+    def _lost(request: Request, now: float, step_s: float) -> bool:
+        """A stream whose mean TPOT misses whatever the rounds do from now (overload.py): late
+        at full speed (`step_s` a token) whether it ends with its next token or at max_tokens.
+        Its laxity is linear in where it ends, so those two are its best cases."""
+        next_token = TokenLevelPolicy._slack(request, now) - step_s
+        return request.first_token_time is not None and \
+            max(next_token, TokenLevelPolicy._last_slack(request, now, step_s)) < 0
+
+    @staticmethod
+    def _last_slack(request: Request, now: float, step_s: float) -> float:
+        """A stream's laxity were it to run to max_tokens: its last token is due at first +
+        (max_tokens - 1) * TBT, and its remaining tokens take `step_s` each at full speed.
+        inf for a request with no token yet (not a stream)."""
+        if request.first_token_time is None:
+            return math.inf
+        n = request.sampling_params.max_tokens
+        left = n - request.num_output_tokens
+        return request.first_token_time + (n - 1) * request.slo.tbt_s - now - left * step_s
 
     def _ttft_key(self, request: Request) -> tuple[float, int]:
         return (request.arrival_time + request.slo.ttft_s, self._order[request.request_id])
@@ -529,11 +564,6 @@ class TokenLevelPolicy(SchedulingPolicy):
         for model in self._round:
             if model != current and self._has_decode_work(model):
                 return model
-        names = list(self.models)
-        if current in names:  # the round after this one starts after `current`
-            start = names.index(current)
-            for k in range(1, len(names)):
-                model = names[(start + k) % len(names)]
-                if self._has_decode_work(model):
-                    return model
-        return None
+        # the round after this one starts with the batch that ran longest ago (_new_round)
+        others = [m for m in self.models if m != current and self._has_decode_work(m)]
+        return min(others, key=lambda m: self._served.get(m, 0)) if others else None

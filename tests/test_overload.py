@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SLO, Request, SamplingParams, SchedulerConfig, StepLatencyEstimator, TokenLevelPolicy
+from scheduler.request import RequestStatus
 from dataclasses import replace
 
 from scheduler.overload import BatchLoad, RoundRule, admits, plan_round, prefill_budget, priority, select_round
@@ -303,3 +304,66 @@ def test_smooth_streams_run_turns_in_slices_and_spread_prefill(smooth):
     else:
         assert all(n == 4 for _, n in runs) and len(prefill) == 1
         assert worst >= 8 * STEP + 0.065 - 1e-9   # two other turns and the whole prefill
+
+
+def test_the_model_announced_for_prefetch_is_the_one_that_runs_next():
+    """Rounds run the batch that ran longest ago first; the model announced at a round's last
+    turn must be the next round's first (its weights copied meanwhile), not the next by name.
+    Four streams start in the order d, b, c, a, so their rounds run in that order."""
+    arrivals = [(0.001 * i, _req(f"{m}0", m, 0.001 * i, max_tokens=40, tbt=0.5)) for i, m in enumerate("dbca")]
+    engine, _ = _drive(_policy(models="abcd"), arrivals)
+    decode = [out for out in engine.trace if not out.is_prefill]
+    pairs = [(a, b) for a, b in zip(decode, decode[1:]) if a.model != b.model]
+    assert len(pairs) > 20
+    assert all(a.prefetch_model == b.model for a, b in pairs), \
+        [(a.model, a.prefetch_model, b.model) for a, b in pairs if a.prefetch_model != b.model][:5]
+
+
+def test_a_lost_stream_goes_last_until_it_is_aged():
+    on_time = load("a", slack=0.3)
+    lost = BatchLoad("b", 0.05, 0.01, 0.0, -0.2, lost=True)
+    waiting = BatchLoad("c", 0.05, 0.01, 0.0, 0.1, waiting=True)
+    order = sorted([lost, on_time, waiting], key=lambda b: (priority(b, 0.05), b.model))
+    assert [b.model for b in order] == ["c", "a", "b"]   # behind the waiting one too
+    aged = replace(lost, aged=True)   # no token for 1.5x its TTFT SLO: first again (least slack)
+    assert priority(aged, 0.05) == -math.inf
+    # with room for two, the lost batch is the one held
+    plan = select_round([load("a", step=0.02, slack=0.3), replace(lost, step_s=0.02),
+                         load("d", step=0.02, slack=0.5)], RULE, guard_s=0.05)
+    assert plan.held == ("b",)
+
+
+def test_a_stream_is_lost_when_even_full_speed_to_max_tokens_ends_late():
+    """A stream 10 tokens into 40 (TBT 50 ms, first token at 0): its last token is due at 1.95 s,
+    and 30 more steps of 10 ms take 0.3 s. At 1.0 s it is behind its pace (token 11 was due at
+    0.5 s) but can catch up; at 1.7 s it cannot, at any length. Its batch goes last then."""
+    policy = _policy(models="a")
+    r = _req("r", "a", 0.0, max_tokens=40)
+    r.first_token_time, r.output_token_ids, r.token_times = 0.0, [7] * 10, [1.6]
+    r.status, policy.running["a"] = RequestStatus.RUNNING, [r]
+    assert policy._slack(r, 1.0) == pytest.approx(-0.5)
+    assert policy._last_slack(r, 1.0, 0.01) == pytest.approx(1.95 - 1.0 - 0.3)
+    assert policy._last_slack(r, 1.7, 0.01) < 0 and policy._lost(r, 1.7, 0.01)
+    # a step longer than the TBT SLO: ending sooner is its best case, and that is judged too
+    assert policy._last_slack(r, 0.52, 0.06) < 0 and not policy._lost(r, 0.4, 0.06)
+    assert not policy._load("a", 1.0).lost
+    lost = policy._load("a", 1.7)
+    assert lost.lost and not lost.aged and priority(lost, 0.05) == math.inf
+    # no token for 1.5x its TTFT SLO (0.3 s): aged, back in deadline order (first)
+    aged = policy._load("a", 1.6 + 0.46)
+    assert aged.lost and aged.aged and priority(aged, 0.05) == -math.inf
+
+
+def test_a_prefill_shorter_than_one_tbt_is_not_split_near_capacity():
+    """Near capacity a round's prefill budget is a sliver (here 1 ms); a prompt whose prefill
+    fits one TBT SLO of the decoding streams (50 ms) goes in whole, and a longer one is cut
+    to what fits that TBT, not to the sliver (block-sized chunks each paid a step's fixed
+    cost and a decode turn)."""
+    policy = _policy(models="ab")
+    r = _req("a0", "a", 0.0, max_tokens=40)
+    r.first_token_time, r.output_token_ids, r.status = 0.0, [7], RequestStatus.RUNNING
+    policy.running["a"] = [r]
+    policy._prefill_cap_s = 0.001
+    assert policy._chunk_tokens("b", 200) is None    # 0.025 s
+    assert policy._chunk_tokens("b", 600) == 450     # 0.065 s: cut to 0.005 + 1e-4 x 450 = 0.05 s
+    assert _policy(SchedulerConfig(chunked_prefill=False), models="ab")._chunk_tokens("b", 600) is None
