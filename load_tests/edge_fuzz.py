@@ -101,39 +101,45 @@ async def poison_collateral(url: str, model: str, headers: dict[str, str] | None
     poisons = poison_bodies(model, seed) if poisons is None else poisons
     innocents = [{"model": model, "prompt": f"Innocent request number {i}.", "max_tokens": max_tokens,
                   "temperature": 0, "ignore_eos": True, "stream": True} for i in range(num_innocent)]
-    retried = [0]
-
-    async def until_taken(send):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status, result, retry_after = await send()
-            if status != 429 or time.monotonic() + retry_after > deadline:
-                return status, result
-            retried[0] += 1
-            await asyncio.sleep(retry_after)
 
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s) as client:
         def stream(body):
-            return until_taken(lambda: _stream_ids(client, body))
+            return resend_429(lambda: _stream_ids(client, body), timeout_s)
 
         def post(body):
-            return until_taken(lambda: _post_raw(client, body))
+            return resend_429(lambda: _post_raw(client, body), timeout_s)
 
-        undisturbed = [ids for _, ids in await asyncio.gather(*map(stream, innocents))]
+        alone = await asyncio.gather(*map(stream, innocents))
         results = await asyncio.gather(*map(stream, innocents), *map(post, poisons))
-    disturbed = [ids for _, ids in results[:num_innocent]]
-    statuses = [status for status, _ in results[num_innocent:]]
+    undisturbed = [ids for _, ids, _ in alone]
+    disturbed = [ids for _, ids, _ in results[:num_innocent]]
+    statuses = [status for status, _, _ in results[num_innocent:]]
     collateral = sum(d != u or d is None for d, u in zip(disturbed, undisturbed))
     return {"poison_requests": len(poisons),
             "poison_accepted": sum(s == 200 for s in statuses),
             "poison_5xx": sum(s >= 500 for s in statuses),
             "poison_collateral": collateral,
-            "poison_retried_429": retried[0],
+            "poison_retried_429": sum(n for _, _, n in alone + results),
             "innocent_requests": num_innocent,
             "innocent_undisturbed_ok": all(u is not None and len(u) == max_tokens for u in undisturbed)}
 
 
-def _retry_after(resp) -> float:
+async def resend_429(attempt, within_s: float):
+    """Await `attempt()` -> (status, result, Retry-After s or None) and, while it answers 429
+    with a Retry-After whose wait ends within `within_s` of the first try, wait that long and
+    try again, as the openai SDK does. Returns (status, result, number of resends)."""
+    deadline = time.monotonic() + within_s
+    resends = 0
+    while True:
+        status, result, retry_after = await attempt()
+        if status != 429 or retry_after is None or time.monotonic() + retry_after > deadline:
+            return status, result, resends
+        resends += 1
+        await asyncio.sleep(retry_after)
+
+
+def retry_after_s(resp) -> float:
+    """A response's Retry-After in seconds (1 when absent or not a number)."""
     try:
         return max(0.0, float(resp.headers.get("retry-after", 1)))
     except ValueError:
@@ -145,7 +151,7 @@ async def _stream_ids(client, body: dict) -> tuple[int, list[int] | None, float]
     ids: list[int] = []
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
-            return resp.status_code, None, _retry_after(resp)
+            return resp.status_code, None, retry_after_s(resp)
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -158,5 +164,5 @@ async def _stream_ids(client, body: dict) -> tuple[int, list[int] | None, float]
 
 async def _post_raw(client, body: str) -> tuple[int, None, float]:
     resp = await client.post("/v1/completions", content=body.encode())
-    return resp.status_code, None, _retry_after(resp)
+    return resp.status_code, None, retry_after_s(resp)
 

@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 
+from load_tests.edge_fuzz import resend_429, retry_after_s
 from load_tests.open_loop import Outcome, quantile, run_open_loop
 
 logger = logging.getLogger(__name__)
@@ -89,21 +90,18 @@ PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning the mode
 
 async def send(client, body: dict, retry_429_s: float = 0.0, on_first_token=None) -> Outcome:
     """One completion; a 429 is sent again after its Retry-After while `retry_429_s` lasts."""
-    deadline = time.monotonic() + retry_429_s
-    num_429 = 0
-    while True:
+    async def attempt():
         out = Outcome()
         try:
             retry_after = await (_stream if body.get("stream") else _post)(client, body, out, on_first_token)
         except Exception as exc:   # a cut connection, a timeout: the client saw a failure
             out.error = out.error or f"{type(exc).__name__}: {exc}"
             retry_after = None
-        if out.status == 429 and retry_after is not None and time.monotonic() < deadline:
-            num_429 += 1
-            await asyncio.sleep(retry_after)
-            continue
-        out.num_429 = num_429
-        return out
+        return out.status, out, retry_after
+
+    _, out, resends = await resend_429(attempt, retry_429_s)
+    out.num_429 = resends
+    return out
 
 
 async def _post(client, body: dict, out: Outcome, on_first_token) -> float | None:
@@ -111,7 +109,7 @@ async def _post(client, body: dict, out: Outcome, on_first_token) -> float | Non
     out.status, out.answered_at = resp.status_code, time.monotonic()
     if resp.status_code != 200:   # Serve's proxy answers its own 429 in plain text
         out.error = resp.text[:200]
-        return float(resp.headers.get("retry-after", 1))
+        return retry_after_s(resp)
     data = resp.json()
     out.token_ids = data["tokenmux"]["token_ids"]
     out.finish_reason = data["choices"][0]["finish_reason"]
@@ -123,7 +121,7 @@ async def _stream(client, body: dict, out: Outcome, on_first_token) -> float | N
         out.status, out.answered_at = resp.status_code, time.monotonic()
         if resp.status_code != 200:
             out.error = (await resp.aread()).decode()[:200]
-            return float(resp.headers.get("retry-after", 1))
+            return retry_after_s(resp)
         done = False
         async for line in resp.aiter_lines():
             done = done or line == "data: [DONE]"

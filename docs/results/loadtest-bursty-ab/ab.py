@@ -1,0 +1,52 @@
+"""The A/B behind this folder: the token contender at fixed bursty rates, one fixed SLO for
+every code under test (TTFT 61.6 ms, TBT 5.2 ms: the 6-seed run's), seeds 0-5 x 120 requests.
+
+    TOKENMUX_DATA_DIR=../shared/data PYTHONPATH=TREE .venv/bin/python \
+        docs/results/loadtest-bursty-ab/ab.py OUT.json 0.506,0.72 [contender] [field=json ...]
+
+TREE is a worktree of the code under test (git worktree add); each field=json is a
+SchedulerConfig override of the token contender (chunked_prefill=false). Writes OUT.json
+(attainment per rate and seed) and OUT.json.records.jsonl.gz (every request, re-scorable).
+"""
+import json, sys, time, logging
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+from cluster.ray_runtime import connect_or_start
+from load_tests.contenders import Deployment
+from load_tests.experiment import Experiment, TraceSpec
+from load_tests.records import write_records
+from load_tests.run_setup import engine_config, served_models
+from load_tests.sweep import RunSettings
+from load_tests.metrics import summarize
+from scheduler.slo import SLO
+
+out, rates = sys.argv[1], [float(r) for r in sys.argv[2].split(",")]
+contender = sys.argv[3] if len(sys.argv) > 3 else "token"
+overrides = {}
+for kv in sys.argv[4:]:
+    k, v = kv.split("="); overrides[k] = json.loads(v)
+args = SimpleNamespace(arrival="gamma", cv=4.0, popularity="zipf", zipf_alpha=1.0, lengths="azure",
+                       input_scale=0.125, output_scale=0.25, max_input=256, max_output=256,
+                       seed=0, kv_mb=64.0, slots=2, budget=None, slo_ttft=None, slo_tbt=None,
+                       device="cpu", dtype=None)
+slo = SLO(0.0616, 0.0052)
+timeout = max(2.0, 4.0 * (slo.ttft_s + 256 * slo.tbt_s))
+connect_or_start(num_virtual_gpus=1, log_to_driver=False)
+models = served_models("12", "llama-tiny-a")
+settings = RunSettings(max_requests=120, request_timeout_s=timeout, settle_s=0.5, idle_skip_s=0.5)
+dep = Deployment(models, 1, engine_config(models, args), 1, slo)
+ex = Experiment(dep, args, settings, seeds=(0, 1, 2, 3, 4, 5), metric="goodput", scheduler=overrides)
+t = TraceSpec("bursty", "gamma", 4.0)
+res = {}
+t0 = time.time()
+with ex.session(contender) as s:
+    for r in rates:
+        s.point(t, r)
+for key, recs in ex.records.points.items():
+    sm = summarize(recs, slo)
+    res.setdefault(str(key.rate), {})[str(key.seed)] = {k: sm[k] for k in sm if k.startswith("attainment")}
+json.dump({"rates": res, "elapsed_s": time.time() - t0, "overrides": overrides}, open(out, "w"), indent=1)
+write_records(out + ".records.jsonl.gz", ex.records)
+for r, seeds in res.items():
+    g = [v["attainment_goodput"] for v in seeds.values()]
+    print(r, round(sum(g) / len(g), 3), [round(x, 3) for x in g])

@@ -1,0 +1,12 @@
+"""The run behind this folder: the published preset's settings (3 seeds x 120 requests per
+point, bisection to 10%), token and request only, the Poisson trace.
+
+    TOKENMUX_DATA_DIR=../shared/data .venv/bin/python docs/results/loadtest-poisson-3seeds/run.py OUT_DIR
+"""
+import sys
+
+from load_tests.published import Preset, run_published
+
+preset = Preset(contenders=("token", "request"), traces=("poisson",), seeds=(0, 1, 2),
+                models_sweep=False, ablation_traces=())
+run_published(sys.argv[1], readme=None, preset=preset, sweep_models=False)
