@@ -505,10 +505,10 @@ class TokenLevelPolicy(SchedulingPolicy):
     def _lost(request: Request, now: float, step_s: float) -> bool:
         """A stream whose mean TPOT misses whatever the rounds do from now (overload.py): late
         at full speed (`step_s` a token) whether it ends with its next token or at max_tokens.
-        Its laxity is linear in where it ends, so those two are its best cases."""
+        Its laxity is linear in where it ends, so those two are its best cases. Never a request
+        with no token yet (`_last_slack` is inf)."""
         next_token = TokenLevelPolicy._slack(request, now) - step_s
-        return request.first_token_time is not None and \
-            max(next_token, TokenLevelPolicy._last_slack(request, now, step_s)) < 0
+        return max(next_token, TokenLevelPolicy._last_slack(request, now, step_s)) < 0
 
     @staticmethod
     def _last_slack(request: Request, now: float, step_s: float) -> float:
