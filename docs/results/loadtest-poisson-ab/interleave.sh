@@ -1,6 +1,6 @@
 #!/bin/bash
 # Interleaved A/B of two code trees (git worktrees) on the Poisson trace, token contender,
-# one fixed SLO: per seed both trees run back to back, the order alternating between seeds,
+# one fixed SLO (SLO_TTFT, SLO_TBT in s; default the published run's 0.0641, 0.0057): per seed both trees run back to back, the order alternating between seeds,
 # so the host's drift between runs falls on both sides of each pair (paired.py scores it).
 #
 #   docs/results/loadtest-poisson-ab/interleave.sh OUT_DIR TAG TREE_A TREE_B RATES [SEEDS]
@@ -19,7 +19,7 @@ for seed in $seeds; do
     echo "$(date +%T) seed $seed tree $side ($tree)"
     (cd "$tree" && TOKENMUX_DATA_DIR=$data PYTHONPATH=$tree timeout 900 "$root/.venv/bin/python" \
       "$root/docs/results/loadtest-bursty-ab/ab.py" "$out/$tag-$side-s$seed.json" "$rates" token \
-      --trace poisson --slo-ttft 0.0641 --slo-tbt 0.0057 --seeds "$seed")
+      --trace poisson --slo-ttft "${SLO_TTFT:-0.0641}" --slo-tbt "${SLO_TBT:-0.0057}" --seeds "$seed")
     "$root/.venv/bin/ray" stop --force >/dev/null 2>&1
   done
 done
