@@ -1,7 +1,8 @@
 #!/bin/bash
 # Interleaved A/B of two code trees (git worktrees) on the Poisson trace, token contender,
-# one fixed SLO (SLO_TTFT, SLO_TBT in s; default the published run's 0.0641, 0.0057): per seed both trees run back to back, the order alternating between seeds,
-# so the host's drift between runs falls on both sides of each pair (paired.py scores it).
+# one fixed SLO (SLO_TTFT, SLO_TBT in s; default the published run's 0.0641, 0.0057): per
+# seed both trees run back to back, the order alternating between seeds, so the host's drift
+# between runs falls on both sides of each pair (paired.py scores it).
 #
 #   docs/results/loadtest-poisson-ab/interleave.sh OUT_DIR TAG TREE_A TREE_B RATES [SEEDS]
 #
