@@ -14,6 +14,13 @@ and the pool known; both are fixed afterwards: slots and the pool are allocated 
 replayed from then on, and all graphs share one memory pool. Should a capture fail,
 that bucket runs eagerly from then on (logged once): never a wrong token, at worst the
 eager speed.
+
+The bookkeeping around the graphs (buckets, padding, the static buffers and the per-step
+copy into them) is device-independent, so it runs and is tested on a CPU: there a
+"graph" is `_EagerReplay`, which re-runs the forward over the same static buffers. The
+per-step copy is what once broke every CUDA decode (a stride-0 mask view as a static
+buffer: `copy_` refuses a destination whose elements overlap), and it fails on a CPU the
+same way, so CPU tests catch that class of bug.
 """
 from __future__ import annotations
 
@@ -29,17 +36,28 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 MAX_GRAPHS = 128   # per runner; the oldest is dropped past this (its memory returns to the shared pool)
 
 
+class _EagerReplay:
+    """A CPU stand-in for a captured graph: replay runs the forward again over the very same
+    static buffers and writes into the same output tensor, as a graph replay does."""
+
+    def __init__(self, run):
+        self._run = run
+        self.output = run()
+
+    def replay(self) -> None:
+        self.output.copy_(self._run())
+
+
 class DecodeGraphs:
     def __init__(self, forward_step, device: torch.device, max_blocks: int = 1 << 12):
-        """forward_step(params, step, kv) -> logits: the runner's tensor-only forward."""
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        """forward_step(params, step, kv) -> logits: the runner's tensor-only forward. On a CPU
+        device the graphs are emulated (`_EagerReplay`): same bookkeeping, eager arithmetic."""
         self.forward_step = forward_step
         self.device = device
         self.max_blocks = max_blocks
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()   # key -> (graph, static step, static logits)
         self._failed: set[tuple] = set()
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.num_replays = 0
 
     def bucket(self, chunks) -> tuple[int, int] | None:
@@ -71,6 +89,9 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, key: tuple, params: dict, step, kv: torch.Tensor):
+        if self.device.type != "cuda":
+            graph = _EagerReplay(lambda: self.forward_step(params, step, kv))
+            return self._keep(key, graph, step, graph.output)
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -86,6 +107,9 @@ class DecodeGraphs:
                            key[-2], key[-1], exc)
             self._failed.add(key)
             return None
+        return self._keep(key, graph, step, logits)
+
+    def _keep(self, key: tuple, graph, step, logits: torch.Tensor):
         self._graphs[key] = (graph, step, logits)
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
@@ -93,7 +117,8 @@ class DecodeGraphs:
 
 
 def _copy_step(static, step) -> None:
-    """Copy a new step's index tensors into the graph's static ones (same shapes: same bucket)."""
+    """Copy a new step's index tensors into the graph's static ones (same shapes: same bucket).
+    Every static tensor must own its elements (no stride-0 views): `copy_` refuses those."""
     for f in fields(step):
         new = getattr(step, f.name)
         if isinstance(new, torch.Tensor):

@@ -225,4 +225,6 @@ class ModelRunner:
             allowed &= k_pos > q_pos[:, :, None] - self.spec.sliding_window
         B = start.shape[0]
         additive = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
-        return additive[:, None, None].expand(B, 1, self.group, Tq, S).reshape(B, 1, self.group * Tq, S)
+        # repeat, not expand: with Tq = 1 an expanded view stays a view with stride 0 over the
+        # groups, and a CUDA graph's static mask must own its elements (copy_ into it)
+        return additive[:, None].repeat(1, self.group, 1, 1).reshape(B, 1, self.group * Tq, S)

@@ -129,6 +129,48 @@ def test_shm_handoff_from_a_shared_pool_into_a_pool(tmp_path):
     sender.close()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_shm_handoff_keeps_every_bit_for_each_layout_and_dtype(tmp_path, dtype):
+    """The layouts the CUDA IPC handoff moves, through the shared-memory transport: several
+    layers, KV heads and head dims, non-contiguous source block ids (runs and gaps) into
+    scattered destination blocks; every bit pattern (NaN payloads included) arrives."""
+    desc = descriptor(block_ids=(9, 2, 3, 4, 11, 0), num_tokens=90, dtype=dtype, num_layers=5,
+                      num_kv_heads=4, head_dim=16)
+    sender = SharedMemoryTransport(shm_dir=tmp_path)
+    pool = sender.allocate_region(12 * desc.block_bytes).view(desc.torch_dtype).view(12, *desc.block_shape)
+    pool.copy_(random_blocks(desc, 12, seed=3))
+    exported = sender.export(pool, desc, from_pool=True)
+    status, received = run_receiver(tmp_path, exported, dst_block_ids=[7, 1, 2, 3, 0, 12], pool_blocks=13)
+    assert status == "ok" and received == as_bytes(pool[list(desc.block_ids)])
+    sender.release(exported)
+    del pool
+    sender.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("on_grid", [True, False])
+def test_copy_from_offsets_is_byte_exact_on_and_off_the_block_grid(dtype, on_grid):
+    """What a CUDA IPC receiver does with a mapped allocation (uint8 [nbytes]) and the
+    sender's byte offsets, run on a CPU: blocks on a common grid merge into runs, others go
+    one by one; either way each block lands whole at its destination, bit for bit, and
+    nothing else in the pool changes. The copy moves integer views (base.as_bits): a copy
+    through float rewrites NaN payloads, which once corrupted every IPC handoff."""
+    from actors.kv_transports.base import as_bits, copy_from_offsets
+    desc = descriptor(block_ids=(1, 2, 3, 7), num_tokens=60, dtype=dtype, num_layers=4)
+    bb = desc.block_bytes
+    offsets = [bb * i + (0 if on_grid else 8 * i) for i in (4, 5, 6, 0)]   # a run of three, then a jump back
+    src = random_blocks(descriptor(dtype=dtype, num_layers=4, block_ids=tuple(range(8)), num_tokens=128), 8, seed=5)
+    raw = src.view(-1).view(torch.uint8)
+    out = torch.zeros((10, *desc.block_shape), dtype=desc.torch_dtype)
+    before = as_bytes(out)
+    copy_from_offsets(raw, offsets, desc, out, [9, 3, 4, 0])
+    for dst, off in zip([9, 3, 4, 0], offsets):
+        assert as_bytes(out[dst]) == raw[off:off + bb].numpy().tobytes()
+    untouched = [i for i in range(10) if i not in (9, 3, 4, 0)]
+    assert as_bytes(out[untouched]) == before[:len(untouched) * bb]
+    assert as_bits(out).dtype.is_floating_point is False
+
+
 def test_shm_staging_is_reused_after_release(tmp_path):
     desc = descriptor()
     sender = SharedMemoryTransport(shm_dir=tmp_path)

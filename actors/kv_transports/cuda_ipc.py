@@ -69,6 +69,7 @@ class CudaIPCTransport(KVTransport):
         self._rt = cupy.cuda.runtime
         self._exports: dict[str, tuple[int, int, list]] = {}   # request_id -> (event, device, block views)
         self._opened: dict[bytes, int] = {}                            # receiver: handle -> mapped base
+        self._streams: dict[int, torch.cuda.Stream] = {}                # receiver: device -> copy stream
 
     @classmethod
     def available(cls) -> bool:
@@ -118,7 +119,9 @@ class CudaIPCTransport(KVTransport):
             blocks = self._exports[desc.request_id][2]
             copy_into(out, torch.stack(blocks).to(out.device), dst_block_ids)
             return out
-        stream = torch.cuda.Stream(device)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
         try:
             with self._cupy.cuda.Device(device):
                 base = self._open(desc.handle["mem"])

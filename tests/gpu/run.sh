@@ -1,44 +1,68 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a machine with a CUDA GPU and no internet (full mode ~20 minutes, quick ~10):
-#   1. environment: GPU, and which of torch / cupy / ray / ... the python has;
-#   2. every test marked `gpu` under tests/ (a test file that cannot import a missing
-#      package, e.g. ray, is reported and skipped, not counted as a failure);
-#   3. the CUDA IPC KV handoff micro-benchmark (tests/gpu/test_cupy_ipc.py --bench);
-#   4. the engine benchmark (load_tests/bench/engine_bench.py, what `tokenmux bench engine` runs) on
-#      the fast kernel path (fused weights, CUDA graphs for decode), with its metrics-overhead section
-#      and `decode_vs_bw_limit`: decode at batch 1 of a 7B-shaped bf16 model against
-#      (weight + KV bytes) / measured HBM bandwidth;
-#   5. the colocate benchmark on 7B-shaped models (`tokenmux bench colocate`; full mode only);
-#   6. the side-by-side load test with real-size models: 8 copies of a 7B shape (random bf16
-#      weights) on the one GPU, token-level vs request-level vs Ray Serve multiplexed
-#      (`tokenmux loadtest --published --gpu`, load_tests/published.py; ~6 min, quick ~3 min;
-#      TOKENMUX_GPU_LOADTEST=0 skips it). Its JSON and records go to $OUT/loadtest-gpu/.
-# Uses the python that already holds torch ($PYTHON, default python3); installs nothing.
-# Results go to $OUT (or /tmp/tokenmux-gpu-check). Exit status: non-zero if a test failed.
+# The GPU check, one call, at most ~9 minutes (TOKENMUX_GPU_BUDGET_S, default 510 s), on a machine
+# with a CUDA GPU and no package registry. Each step gets what is left of the budget (capped);
+# a step that fails or runs out of time says so and the next still runs.
+#   0. the bundle (.gpu-bundle/, from ../shared/gpu/bundle.sh; git-ignored, carried along) is
+#      installed into /tmp/site when present; then at once: `ray.init()` and `from ray import serve`;
+#   1. every test marked `gpu` under tests/ (the Ray-actor CUDA IPC handoff among them);
+#   2. the CUDA IPC KV handoff micro-benchmark, bytes verified (tests/gpu/test_cupy_ipc.py --bench);
+#   3. the engine benchmark on the fast path (fused weights, CUDA graphs): decode against the HBM
+#      bandwidth limit (`decode_vs_bw_limit`) for the mistral-7b and llama3-1b shapes (random bf16
+#      weights), and swap-in against a raw pinned copy (`swap_vs_memcpy`);
+#   4. the end-to-end load test: 8 x qwen2.5-7b shapes on the GPU, token vs request vs Ray Serve
+#      multiplexed, goodput (`tokenmux loadtest --published --gpu`; its quick form when less than
+#      TOKENMUX_GPU_FULL_LOADTEST_S is left; TOKENMUX_GPU_LOADTEST=0 skips it).
+# Results: $OUT (or /tmp/tokenmux-gpu-check): gpu-check.json (every figure and each step's outcome)
+# and detail.tgz (logs, junit xml, each benchmark's own JSON and records): two files, so that they
+# fit what one device call brings back. Exit status: non-zero if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
 RESULTS="${OUT:-/tmp/tokenmux-gpu-check}"
-mkdir -p "$RESULTS"
+DETAIL="$RESULTS/detail"
+mkdir -p "$DETAIL"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export RAY_USAGE_STATS_ENABLED=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+[ -d .gpu-bundle/data ] && export TOKENMUX_DATA_DIR="$PWD/.gpu-bundle/data"   # the traces (bundle.sh leaves them out)
+START=$(date +%s)
+BUDGET="${TOKENMUX_GPU_BUDGET_S:-510}"
 status=0
-# TOKENMUX_GPU_QUICK=1: a shorter check (~4 minutes) for a nearly spent device budget: the gpu
-# tests, the engine benchmark on llama-100m, and decode_vs_bw_limit on the mistral-7b shape only.
-QUICK="${TOKENMUX_GPU_QUICK:-0}"
-# A step's exit status: 124 = it ran out of time (its partial results stay), other non-zero = failed.
-step_result() {  # NAME RC WHAT-IS-LEFT
-    if [ "$2" -eq 124 ]; then
-        echo "$1: timed out ($3)"
-    elif [ "$2" -ne 0 ]; then
-        echo "$1 failed"; status=1
-    fi
+STEPS="$DETAIL/steps.jsonl"
+: > "$STEPS"
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# Seconds for the next step: its cap, or what is left of the budget (less a reserve for packing).
+allow() { local l; l=$(( $(left) - 15 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+# step NAME RC SECONDS: one line of steps.jsonl; 124 = out of time (partial results stay).
+step() {
+    local outcome=ok
+    if [ "$2" -eq 124 ]; then outcome=timed_out; status=1
+    elif [ "$2" -ne 0 ]; then outcome=failed; status=1; fi
+    echo "== $1: $outcome (rc $2, $3 s)"
+    printf '{"step": "%s", "outcome": "%s", "rc": %d, "seconds": %d}\n' "$1" "$outcome" "$2" "$3" >> "$STEPS"
+}
+run_step() {   # NAME CAP CMD...: runs CMD under the time it is allowed, logs to detail/NAME.log
+    local name=$1 cap=$2 t0 rc secs; shift 2
+    secs=$(allow "$cap")
+    if [ "$secs" -lt 20 ]; then echo "== $name: skipped (budget spent)"; step "$name" 124 0; return; fi
+    echo "== $name (up to $secs s)"
+    t0=$(date +%s)
+    timeout "$secs" "$@" > "$DETAIL/$name.log" 2>&1
+    rc=$?
+    tail -25 "$DETAIL/$name.log"
+    step "$name" "$rc" $(( $(date +%s) - t0 ))
 }
 
 echo "== environment"
+if [ -d .gpu-bundle ]; then
+    mkdir -p /tmp/site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-bundle/*.whl 2>&1 | tail -3
+    tar xzf .gpu-bundle/ray-min.tgz -C /tmp/site
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 { nvidia-smi -L || echo "nvidia-smi: not found"; "$PY" - <<'PYEOF'
 import importlib
-for name in ("torch", "cupy", "msgpack", "pynvml", "ray", "transformers", "safetensors", "pytest"):
+for name in ("torch", "cupy", "msgpack", "pynvml", "ray", "fastapi", "pydantic", "transformers", "safetensors", "pytest"):
     try:
         print(f"{name}: {getattr(importlib.import_module(name), '__version__', 'present')}")
     except Exception as exc:
@@ -46,94 +70,41 @@ for name in ("torch", "cupy", "msgpack", "pynvml", "ray", "transformers", "safet
 import torch
 print("cuda:", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 PYEOF
-} 2>&1 | tee "$RESULTS/env.txt"
+} > "$DETAIL/env.txt" 2>&1
+cat "$DETAIL/env.txt"
 
-echo "== gpu tests"
-timeout "$([ "$QUICK" = 1 ] && echo 80 || echo 200)" "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$RESULTS/pytest-gpu.xml" 2>&1 | tee "$RESULTS/pytest-gpu.log"
-rc=${PIPESTATUS[0]}
-if [ "$rc" -eq 124 ]; then
-    echo "gpu tests: TIMED OUT"; status=1
+run_step ray_check 60 "$PY" -c "
+import ray
+from ray import serve
+ray.init(include_dashboard=False, log_to_driver=False)
+print('ray', ray.__version__, ray.cluster_resources())
+ray.shutdown()"
+
+run_step gpu_tests 170 "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml="$DETAIL/pytest-gpu.xml"
+
+if "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    run_step kv_ipc_bench 70 "$PY" tests/gpu/test_cupy_ipc.py --bench "$DETAIL/kv_ipc_bench.json"
 else
-    # pytest says 1 both for failed tests and for files it could not collect; only the former count.
-    "$PY" - "$RESULTS/pytest-gpu.xml" <<'PYEOF' || status=1
-import re, sys, xml.etree.ElementTree as ET
-OUR_PACKAGES = {"scheduler", "actors", "cluster", "deploy", "load_tests"}   # missing = a real bug
-failed, missing = [], []
-for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
-    for bad in list(case.findall("failure")) + list(case.findall("error")):
-        message = bad.get("message") or ""
-        where = f"{case.get('classname')}::{case.get('name')}"
-        missing_name = re.search(r"No module named '([\w.]+)'", bad.text or "")
-        if "collection failure" in message and missing_name \
-                and missing_name.group(1).split(".")[0] not in OUR_PACKAGES:
-            missing.append(where)
-        else:
-            failed.append(where)
-for m in missing:
-    print(f"skipped (missing package): {m}")
-for f in failed:
-    print(f"FAILED: {f}")
-sys.exit(1 if failed else 0)
-PYEOF
+    echo "== kv_ipc_bench: skipped (cupy or CUDA missing)"
 fi
 
-echo "== KV handoff benchmark (CUDA IPC)"
-if [ "$QUICK" = 1 ]; then
-    echo "skipped: quick mode"
-elif "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
-    timeout 90 "$PY" tests/gpu/test_cupy_ipc.py --bench "$RESULTS/kv_ipc_bench.json" || { echo "kv bench failed"; status=1; }
-else
-    echo "skipped: cupy or CUDA missing"
-fi
+# --max-seconds lets the bench stop between sections and keep what it has.
+run_step engine_bench 170 "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 --kernels fast \
+    --repeats 1 --swap-repeats 3 --cold-repeats 1 --sections bandwidth \
+    --shapes mistral-7b,llama3-1b --shape-sections swap,bandwidth --shape-repeats 1 \
+    --max-seconds "$(( $(allow 170) - 20 ))" --json "$DETAIL/bench-engine.json"
 
-echo "== engine benchmark"
-# llama-100m (bf16) through every section, then random-weight models of real shapes: PCIe
-# swap-in vs raw pinned->device copy, engine vs HF generate, scheduler overhead, decode at
-# batch 1 vs the bandwidth limit. ~6 minutes (quick ~3); the JSON is rewritten after each
-# section, so a timeout still leaves the figures so far. Never run yet: no GPU was lent to
-# the session that wrote the fast path (CUDA graphs, bandwidth section).
-# Run as a module: the GPU machine may have no `tokenmux` script, ray or fastapi.
-if "$PY" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
-    if [ "$QUICK" = 1 ]; then
-        BENCH=(--repeats 2 --swap-repeats 5 --cold-repeats 1 --sections swap,decode,overhead,bandwidth
-               --shapes mistral-7b --shape-sections bandwidth --shape-repeats 1 --max-seconds 150); LIMIT=240
-    else
-        BENCH=(--repeats 3 --swap-repeats 7 --cold-repeats 1 --sections swap,cold,decode,overhead,bandwidth
-               --shapes llama3-1b,qwen2.5-7b,mistral-7b --shape-sections swap,decode,overhead,bandwidth
-               --shape-repeats 2 --shape-overhead-models 4 --max-seconds 300); LIMIT=420
-    fi
-    timeout "$LIMIT" "$PY" -m load_tests.bench.engine_bench -v --device cuda --dtype bfloat16 \
-        "${BENCH[@]}" --json "$RESULTS/bench-engine.json" 2>&1 \
-        | tee "$RESULTS/bench-engine.log"
-    step_result "engine bench" "${PIPESTATUS[0]}" "partial results in bench-engine.json"
-else
-    echo "skipped: CUDA, transformers or safetensors missing"
-fi
-echo "== colocate benchmark (7B-shaped agents: time-sliced processes vs one tokenmux engine)"
-# Each agent's model is a random-weight qwen2.5-7b (bf16, ~15 GB): 1, 2 and 4 agents (8 would need
-# ~120 GB of host cache on top of the device). ~4 minutes; skipped in quick mode.
-if [ "$QUICK" = 1 ]; then
-    echo "skipped: quick mode"
-elif "$PY" -c "import torch, psutil; assert torch.cuda.is_available()" 2>/dev/null; then
-    timeout 300 "$PY" -m load_tests.bench.colocate -v --device cuda --dtype bfloat16 --shape qwen2.5-7b \
-        --agents 1,2,4 --repeats 1 --turns 3 --new-tokens 48 --json "$RESULTS/bench-colocate.json" \
-        --plot "$RESULTS/colocate-gpu.png" 2>&1 | tee "$RESULTS/bench-colocate.log"
-    step_result "colocate bench" "${PIPESTATUS[0]}" "partial results in bench-colocate.json"
-else
-    echo "skipped: CUDA or psutil missing"
-fi
-echo "== side-by-side load test (8 x qwen2.5-7b shape on one GPU: token vs request vs Serve multiplexed)"
-# Needs ray (the contenders are Ray actors and a Serve app); the shape is built once (~15 GB,
-# under ~/.cache/tokenmux/shapes) and its host-cache copy lives in /dev/shm.
 if [ "${TOKENMUX_GPU_LOADTEST:-1}" = 0 ]; then
-    echo "skipped: TOKENMUX_GPU_LOADTEST=0"
-elif "$PY" -c "import ray, torch, transformers; assert torch.cuda.is_available()" 2>/dev/null; then
-    LT=(--published --gpu --out "$RESULTS/loadtest-gpu"); LIMIT=480
-    if [ "$QUICK" = 1 ]; then LT+=(--quick); LIMIT=240; fi
-    timeout "$LIMIT" "$PY" -m deploy.cli.main loadtest "${LT[@]}" 2>&1 | tail -60 | tee "$RESULTS/loadtest-gpu.log"
-    step_result "gpu load test" "${PIPESTATUS[0]}" "records so far in loadtest-gpu/loadtest-records.jsonl.gz"
+    echo "== gpu_loadtest: skipped (TOKENMUX_GPU_LOADTEST=0)"
+elif "$PY" -c "import ray, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    LT=(--published --gpu --out "$DETAIL/loadtest-gpu")
+    [ "$(left)" -lt "${TOKENMUX_GPU_FULL_LOADTEST_S:-400}" ] && LT+=(--quick)
+    run_step gpu_loadtest 480 "$PY" -m deploy.cli.main loadtest "${LT[@]}"
 else
-    echo "skipped: ray, transformers or CUDA missing"
+    echo "== gpu_loadtest: skipped (ray or CUDA missing)"
 fi
+
+"$PY" tests/gpu/summarize.py "$DETAIL" "$RESULTS/gpu-check.json" || status=1
+tar czf "$RESULTS/detail.tgz" -C "$RESULTS" detail && rm -rf "$DETAIL"
 exit $status
