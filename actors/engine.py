@@ -25,6 +25,7 @@ from actors.device_memory import DeviceMemory, format_bytes
 from actors.engine_metrics import EngineRecorder
 from actors.fault_isolation import describe, run_isolated
 from actors.host_cache import HostWeightCache
+from actors.kernel_check import resolve_kernels
 from actors.kernel_path import KERNELS, KernelPath
 from actors.kv_pool import DeviceKVPool, HostKVPool, KVBlocks, copy_blocks
 from actors.model_runner import ModelRunner, SeqChunk
@@ -66,7 +67,9 @@ class EngineConfig:
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
-    kernels: str = "reference"
+    # "auto": the fast path on a CUDA device once it is checked there, else the reference
+    # path (actors/kernel_check.py).
+    kernels: str = "auto"
     # True: frames carry their text, and stop strings end requests here. False: frames carry
     # token ids only and the caller makes the text (TextAssembler.fill; a DeviceWorker's
     # ingress does, see actors/output_stream.py), stop strings included.
@@ -85,8 +88,8 @@ class EngineConfig:
             raise ValueError(f"slab_bytes must be a multiple of 256, got {self.slab_bytes}")
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0, got {self.host_kv_bytes}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
+        if self.kernels not in (*KERNELS, "auto"):
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, auto; got {self.kernels!r}")
 
 
 @dataclass
@@ -117,7 +120,9 @@ class Engine:
         self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
                                                     config.scheduler)
         self.sampler = Sampler()
-        self.kernel_path = KernelPath(config.kernels, self.device.type)
+        choice = resolve_kernels(config.kernels, self.device)
+        self.kernels, self.kernel_warning = choice.kernels, choice.warning
+        self.kernel_path = KernelPath(self.kernels, self.device.type)
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputAssembler] = {}
@@ -153,7 +158,7 @@ class Engine:
             from transformers import AutoTokenizer   # heavy import, only where a model is registered
 
             tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
-        runner = ModelRunner(spec, self.device, self.config.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
+        runner = ModelRunner(spec, self.device, self.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
         self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype,
                                         self.kv_pool.view(kv_shape, dtype))
         self.estimator.register_model(name, layout.total_bytes)
@@ -491,7 +496,8 @@ class Engine:
             kv_free_frac=self.blocks.usage()["num_free_slabs"] / max(1, self.blocks.num_slabs),
             num_steps=self.num_steps, forward_seconds=self.forward_seconds, step_seconds=self.step_seconds,
             decode_step_s=self.decode_step_s, decode_step_s_by_model=dict(self.decode_step_s_by_model),
-            alpha=self.policy.last_alpha, weights=self.slots.stats())
+            alpha=self.policy.last_alpha, weights=self.slots.stats(), kernels=self.kernels,
+            kernel_warning=self.kernel_warning)
 
     def _model(self, name: str) -> LoadedModel:
         m = self.models.get(name)

@@ -205,6 +205,8 @@ class EngineStats:
     decode_step_s_by_model: Mapping[str, float] = field(default_factory=dict)   # the same, per model
     alpha: float | None = None              # quota rule's alpha of the latest round (token-level policy)
     weights: Mapping[str, Any] = field(default_factory=dict)   # weight-slot counters (WeightSlots.stats)
+    kernels: str = "reference"              # the kernel path it runs ("reference" | "fast")
+    kernel_warning: str = ""                # why the fast path was refused on its device ("" = none)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_free_frac <= 1.0:

@@ -274,3 +274,26 @@ def test_choose_transport_by_topology():
 def test_cuda_ipc_is_unavailable_cleanly_without_cupy():
     with pytest.raises(KVTransferError, match="unavailable"):
         CudaIPCTransport()
+
+
+@pytest.mark.parametrize("method", ["runs", "index"])
+@pytest.mark.parametrize("src_ids,dst_ids", [
+    ([1, 3, 5, 7], [0, 1, 2, 3]),      # scattered source, contiguous destination: one gather
+    ([2, 3, 4, 5], [9, 0, 4, 6]),      # contiguous source, scattered destination: one scatter
+    ([7, 1, 4, 2], [3, 8, 0, 5]),      # both scattered: gather then scatter
+    ([0, 1, 2, 6, 7], [4, 5, 6, 0, 1]),  # runs
+])
+def test_block_copy_methods_are_bit_exact_and_touch_only_their_blocks(method, src_ids, dst_ids):
+    """Both ways copy_block_runs moves blocks (a GPU takes "index" for several runs, a CPU
+    "runs"), run on a CPU: every bit of each block arrives (random bit patterns, NaNs
+    included), in bf16 and fp32, and the other blocks of the destination pool are untouched."""
+    from actors.kv_transports.base import copy_block_runs
+    for dtype in ("bfloat16", "float32"):
+        desc = descriptor(dtype=dtype, num_layers=3, block_ids=tuple(range(10)), num_tokens=160)
+        src, dst = random_blocks(desc, 10, seed=1), random_blocks(desc, 10, seed=2)
+        before = dst.clone()
+        copy_block_runs(dst, dst_ids, src, src_ids, method=method)
+        for s, d in zip(src_ids, dst_ids):
+            assert as_bytes(dst[d]) == as_bytes(src[s])
+        others = [i for i in range(10) if i not in dst_ids]
+        assert as_bytes(dst[others]) == as_bytes(before[others])

@@ -244,13 +244,42 @@ def block_runs(src_index: list[int], dst_index: list[int]) -> list[tuple[int, in
     return runs
 
 
-def copy_block_runs(dst: torch.Tensor, dst_index: list[int], src: torch.Tensor, src_index: list[int]) -> None:
-    """dst[dst_index[i]] = src[src_index[i]] for grids `[n, L, 2, 16, H, D]`, as one vectorised copy."""
+def copy_block_runs(dst: torch.Tensor, dst_index: list[int], src: torch.Tensor, src_index: list[int],
+                    method: str | None = None) -> None:
+    """dst[dst_index[i]] = src[src_index[i]] for grids `[n, L, 2, 16, H, D]`, as one vectorised copy.
+
+    method "runs" (a CPU's default, and any single run): one `_foreach_copy_` over the runs.
+    method "index" (a GPU's default for several runs): index kernels over block rows, as one
+    pass where either side is a plain range, else a gather then a scatter. On an H200 the
+    multi-tensor copy of 128 scattered 2 MiB blocks ran at ~200 GB/s, a tenth of a device
+    copy: it splits every tensor into small chunks. Both methods are bit-exact."""
     runs = block_runs(src_index, dst_index)
     if not runs:
         return
     dst, src = as_bits(dst), as_bits(src)
-    torch._foreach_copy_([dst[d:d + n] for _, d, n in runs], [src[s:s + n] for s, _, n in runs])
+    if method is None:
+        method = "index" if dst.device.type == "cuda" and len(runs) > 1 else "runs"
+    if method == "runs":
+        torch._foreach_copy_([dst[d:d + n] for _, d, n in runs], [src[s:s + n] for s, _, n in runs])
+    elif method == "index":
+        _copy_block_rows(dst, dst_index, src, src_index)
+    else:
+        raise ValueError(f"method must be 'runs' or 'index', got {method!r}")
+
+
+def _copy_block_rows(dst: torch.Tensor, dst_index: list[int], src: torch.Tensor, src_index: list[int]) -> None:
+    """The "index" method: each block as one row (its blocks are contiguous, so a view)."""
+    dst_rows, src_rows = dst.view(dst.shape[0], -1), src.view(src.shape[0], -1)
+    n, device = len(src_index), dst.device
+    if src_index == list(range(src_index[0], src_index[0] + n)):      # a contiguous source
+        dst_rows.index_copy_(0, torch.tensor(dst_index, device=device), src_rows[src_index[0]:src_index[0] + n])
+        return
+    gather = torch.tensor(src_index, device=device)
+    target = dst_rows[dst_index[0]:dst_index[0] + n]
+    if dst_index == list(range(dst_index[0], dst_index[0] + n)) and target.is_contiguous():
+        torch.index_select(src_rows, 0, gather, out=target)            # a contiguous destination
+        return
+    dst_rows.index_copy_(0, torch.tensor(dst_index, device=device), src_rows.index_select(0, gather))
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: tuple[int, ...] | list[int],

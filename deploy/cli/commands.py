@@ -290,6 +290,9 @@ def format_status(status: "ClusterStatus") -> str:
         step = f"{1e3 * e.decode_step_s:.1f}ms" if e.decode_step_s else "-"
         lines.append(f"{wid:<18} {w.role:<7} {e.kv_free_frac:>7.0%} {step:>8}  {','.join(e.resident) or '-':<28} "
                      f"{','.join(e.registered) or '-':<36} {queued} / {running}")
+    for wid, w in sorted(status.workers.items()):
+        if not isinstance(w, WorkerDown) and w.engine.kernel_warning:
+            lines.append(f"{wid}: WARNING {w.engine.kernel_warning}")
     plan = status.plan
     lines.append("")
     lines.append(f"placement plan v{plan.version if plan else '-'}:")

@@ -2,7 +2,7 @@
 # The GPU check, one call, at most ~9 minutes (TOKENMUX_GPU_BUDGET_S, default 510 s), on a machine
 # with a CUDA GPU and no package registry. Each step gets what is left of the budget (capped);
 # a step that fails or runs out of time says so and the next still runs.
-#   0. the bundle (.gpu-bundle/, from ../shared/gpu/bundle.sh; git-ignored, carried along) is
+#   0. the bundle (.gpu-bundle/, from tests/gpu/bundle.sh; git-ignored, carried along) is
 #      installed into /tmp/site when present; then at once: `ray.init()` and `from ray import serve`;
 #   1. every test marked `gpu` under tests/ (the Ray-actor CUDA IPC handoff among them);
 #   2. the CUDA IPC KV handoff micro-benchmark, bytes verified (tests/gpu/test_cupy_ipc.py --bench);
@@ -100,7 +100,7 @@ if [ "${TOKENMUX_GPU_LOADTEST:-1}" = 0 ]; then
 elif "$PY" -c "import ray, torch; assert torch.cuda.is_available()" 2>/dev/null; then
     LT=(--published --gpu --out "$DETAIL/loadtest-gpu")
     [ "$(left)" -lt "${TOKENMUX_GPU_FULL_LOADTEST_S:-400}" ] && LT+=(--quick)
-    run_step gpu_loadtest 480 "$PY" -m deploy.cli.main loadtest "${LT[@]}"
+    run_step gpu_loadtest 480 "$PY" -m deploy.cli.main -v loadtest "${LT[@]}"
 else
     echo "== gpu_loadtest: skipped (ray or CUDA missing)"
 fi
