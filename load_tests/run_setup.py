@@ -26,7 +26,7 @@ def _checkpoint(name_or_dir: str) -> str:
         return str(Path(name_or_dir))
     if name_or_dir.startswith("shape:"):   # random weights of a real shape (load_tests/bench/shapes.py)
         return str(_shape_checkpoint(name_or_dir.removeprefix("shape:")))
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     return str(ensure_model(name_or_dir))
 

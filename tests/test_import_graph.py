@@ -18,7 +18,7 @@ ALLOWED = {
     "scheduler": {"scheduler"},
     "actors": {"actors", "scheduler"},
     "cluster": {"cluster", "actors", "scheduler"},
-    "deploy": {"deploy", "cluster", "actors", "scheduler", "load_tests.zoo"},
+    "deploy": {"deploy", "cluster", "actors", "scheduler"},
     "deploy.cli": {"deploy", "cluster", "actors", "scheduler", "load_tests"},
     "load_tests": set(PACKAGES),
 }

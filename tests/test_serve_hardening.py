@@ -87,7 +87,7 @@ def test_text_cut_mid_character_equals_decode_through_the_openai_sdk(url):
     import openai
     from transformers import AutoTokenizer
 
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     tok = AutoTokenizer.from_pretrained(ensure_model("llama-tiny-a"))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)

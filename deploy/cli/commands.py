@@ -100,7 +100,7 @@ def load_http_options(path: str) -> dict:
 def build_zoo_models(args: AppArgs, show_progress: bool = True) -> None:
     """Build the zoo models the args name (once; later calls find them built); a trained
     one shows its training steps."""
-    from load_tests import zoo
+    from actors.zoo import zoo
 
     names = [s[len(ZOO_PREFIX):] for s in args.models.values() if s.startswith(ZOO_PREFIX)]
     missing = [n for n in names if not zoo.is_built(n)]

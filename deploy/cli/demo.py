@@ -1,7 +1,7 @@
 """`tokenmux demo`: the main job on the embedded default, end to end on this machine.
 
 Builds the zoo's models if needed and serves the two trained ones (they write words, see
-load_tests/zoo_training.py) from ONE engine whose device budget holds a single model's
+actors/zoo/zoo_training.py) from ONE engine whose device budget holds a single model's
 weights, so every turn switches models between decode steps. Prints what each model wrote
 and how the engine spent its time; then the cluster part runs a bursty load over six models.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
-from load_tests.zoo import ensure_model
+from actors.zoo.zoo import ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 
