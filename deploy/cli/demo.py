@@ -75,13 +75,13 @@ def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str =
 
     import ray
 
+    from cluster.planner.metrics import summarize
+    from cluster.planner.traces import lengths_from_azure
+    from cluster.planner.workloads import FixedLengths, Gamma, Zipf, generate
     from deploy.cli.commands import cluster_handle, run_local
     from load_tests.contenders import turns_from_timelines
     from load_tests.driver import OpenAIHTTPTarget, run
-    from load_tests.metrics import summarize
     from load_tests.report import write_report
-    from load_tests.traces import lengths_from_azure
-    from load_tests.workloads import FixedLengths, Gamma, Zipf, generate
     from scheduler.slo import SLO
 
     slo = SLO(ttft_s=2.0, tbt_s=0.25)

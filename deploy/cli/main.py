@@ -122,14 +122,14 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 
 def _plan_parser(parser: argparse.ArgumentParser) -> None:
-    from load_tests.plan_cli import add_arguments   # stdlib-only at import; the simulator loads in run
+    from cluster.planner.plan_cli import add_arguments   # stdlib-only at import; the simulator loads in run
 
     add_arguments(parser)
     parser.set_defaults(run=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from load_tests.plan_cli import run
+    from cluster.planner.plan_cli import run
 
     return run(args)
 
