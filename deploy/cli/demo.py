@@ -78,7 +78,8 @@ def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str =
     from cluster.planner.metrics import summarize
     from cluster.planner.traces import lengths_from_azure
     from cluster.planner.workloads import FixedLengths, Gamma, Zipf, generate
-    from deploy.cli.commands import cluster_handle, run_local
+    from deploy.app_handles import cluster_handle
+    from deploy.local import run_local
     from load_tests.contenders import turns_from_timelines
     from load_tests.driver import OpenAIHTTPTarget, run
     from load_tests.report import write_report
