@@ -9,4 +9,6 @@
                  bench, loadtest, zoo)
     client/      the Python client library (`TokenmuxClient`, `AsyncTokenmuxClient`) over
                  HTTP or a Serve handle
+    local.py     `run_local`: serve in-process (Ray + topology + the Serve app) and yield
+                 the URL; app_handles.py: handles on a running app and its status
 """

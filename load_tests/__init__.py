@@ -1,6 +1,7 @@
 """Burst-traffic load tests: workloads in, side-by-side SLO reports out.
 
-What flows through, in order:
+What flows through, in order (workloads, traces and metrics are the fleet planner's, in
+cluster/planner/, shared with it):
 
     workloads.py  arrivals x model popularity x lengths  -> Workload (TraceRequest list)
     traces.py     a real trace CSV (Aegaeon / Azure 2023 / BurstGPT) -> Workload

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from load_tests.metrics import MEASURES, RequestRecord, summarize
+from cluster.planner.metrics import MEASURES, RequestRecord, summarize
 from load_tests.records import RecordSet
 from load_tests.stats import LOWER_BOUND, MEASURED, Estimate, MeanCI, max_rate, mean_ci, not_below, rate_ratio
 from scheduler.slo import SLO

@@ -37,8 +37,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from cluster.planner.metrics import RequestRecord, Turn
 from load_tests.driver import Prompt, Target, TargetError
-from load_tests.metrics import RequestRecord, Turn
 from scheduler.messages import GenerateRequest, OutputFrame
 from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams

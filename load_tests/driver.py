@@ -28,8 +28,8 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from actors.heap import freeze_heap
-from load_tests.metrics import RequestRecord
-from load_tests.workloads import TraceRequest, Workload
+from cluster.planner.metrics import RequestRecord
+from cluster.planner.workloads import TraceRequest, Workload
 from scheduler.messages import OutputFrame
 
 logger = logging.getLogger(__name__)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cluster.planner.metrics import RequestRecord, attainment_key, summarize
+from cluster.planner.workloads import Workload
 from load_tests import driver
 from load_tests.contenders import Contender, Deployment, make_contender, warm_up
-from load_tests.metrics import RequestRecord, attainment_key, summarize
 from load_tests.records import PointKey, RecordSet
 from load_tests.search import SearchPlan, SearchResult, find_max_rate
 from load_tests.sweep import RunSettings, at_rate
-from load_tests.workloads import Workload
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Experiment:
         n = self.settings.max_requests
         names = list(self.deployment.models)
         if trace.path:
-            from load_tests.traces import read_trace
+            from cluster.planner.traces import read_trace
 
             whole = read_trace(trace.path, deployed=names, seed=seed)
             if len(whole) < (seed + 1) * n:

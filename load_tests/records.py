@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from load_tests.metrics import RequestRecord
+from cluster.planner.metrics import RequestRecord
 
 _DROP = ("server_token_times",)  # diagnostics kept in memory, not in the published records
 

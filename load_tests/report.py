@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from load_tests.metrics import RequestRecord, Turn
+from cluster.planner.metrics import RequestRecord, Turn
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ import logging
 import os
 from pathlib import Path
 
+from cluster.planner.marketplace import AZURE_CONV, DATA_DIR  # re-exported; stdlib + scheduler only
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
-AZURE_CONV = DATA_DIR / "traces" / "azure-llm-2023" / "conv.csv"
 QUIET_SPREAD = 1.5   # the SLO's decode rounds differing more than this: a busy machine (logged)
 SLO_ATTEMPTS = 3
 
@@ -26,7 +26,7 @@ def _checkpoint(name_or_dir: str) -> str:
         return str(Path(name_or_dir))
     if name_or_dir.startswith("shape:"):   # random weights of a real shape (load_tests/bench/shapes.py)
         return str(_shape_checkpoint(name_or_dir.removeprefix("shape:")))
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     return str(ensure_model(name_or_dir))
 
@@ -87,7 +87,7 @@ def engine_config(models: dict[str, str], args) -> dict:
 
 
 def make_workload(args, names: list[str], rate: float, num_requests: int):
-    from load_tests import workloads as w
+    from cluster.planner import workloads as w
 
     arrivals = {"gamma": lambda: w.Gamma(rate, args.cv), "poisson": lambda: w.Poisson(rate),
                 "onoff": lambda: w.OnOff(rate * 4, on_s=5.0, off_s=15.0)}[args.arrival]()
@@ -100,7 +100,7 @@ def make_workload(args, names: list[str], rate: float, num_requests: int):
     if args.lengths == "azure":
         if not AZURE_CONV.is_file():
             raise ValueError(f"Azure trace not found at {AZURE_CONV}; set TOKENMUX_DATA_DIR or use --lengths lognormal")
-        from load_tests.traces import lengths_from_azure
+        from cluster.planner.traces import lengths_from_azure
 
         lengths = lengths_from_azure(AZURE_CONV, **limits)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from load_tests.workloads import Workload
+from cluster.planner.workloads import Workload
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ finished requests. KV memory is accounted in blocks of a unified slab pool
 decode turns are sized by the quota rule (quota.py). Policies: TokenLevelPolicy
 (Aegaeon-style, token_level.py), RequestLevelPolicy (request_level.py) and
 DedicatedPolicy (dedicated.py) share one interface, so the engine and the fleet
-simulator in load_tests/ run any of them unchanged. A KV handoff moves a request between
+simulator in cluster/planner/ run any of them unchanged. A KV handoff moves a request between
 policies through verbs (detach_request, reattach_request, adopt_request), never by editing
 their queues.
 

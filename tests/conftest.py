@@ -65,6 +65,6 @@ def ray_session():
 @pytest.fixture(scope="session")
 def zoo_model():
     """`zoo_model(name) -> Path`: a zoo checkpoint, built once into the default zoo dir."""
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     return ensure_model

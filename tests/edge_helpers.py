@@ -9,7 +9,7 @@ from typing import Iterator
 
 import uvicorn
 
-from load_tests.zoo import ensure_model
+from actors.zoo.zoo import ensure_model
 from deploy.openai_api.engine_protocol import ModelInfo
 from fakes import FakeEngineClient
 from polling import wait_until

@@ -89,7 +89,7 @@ def main() -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
     from cluster.topology import TopologyConfig, bring_up
     from scheduler.slo import SLO
 

@@ -16,7 +16,7 @@ from tests.net import free_port
 
 @pytest.mark.slow
 def test_reduced_chaos_meets_the_floors(ray_session):
-    from deploy.cli.commands import run_local
+    from deploy.local import run_local
     from load_tests.bench.chaos import APP, MODELS, SERVER_ARGS, run_scenarios
 
     # A small waiting bound, and 6 s of overload at 10x the measured capacity: past what the server

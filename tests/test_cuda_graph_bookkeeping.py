@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
     return Model(ensure_model("llama-tiny-b"))
 
 

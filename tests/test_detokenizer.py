@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from actors.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
-from load_tests.zoo import EOS, ensure_model
+from actors.zoo.zoo import EOS, ensure_model
 
 TEXTS = [
     "A cache is fast because it is small and close to the processor.",

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from cluster.planner.workloads import TraceRequest, Workload
 from load_tests.driver import CallableTarget, OpenAIHTTPTarget, make_prompt, run
-from load_tests.workloads import TraceRequest, Workload
 from scheduler.messages import OutputFrame
 
 

@@ -10,7 +10,7 @@ import torch
 
 from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
-from load_tests.zoo import TINY_MODELS
+from actors.zoo.zoo import TINY_MODELS
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 

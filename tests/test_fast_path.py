@@ -25,7 +25,7 @@ from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
-from load_tests.zoo import TINY_MODELS, ensure_model
+from actors.zoo.zoo import TINY_MODELS, ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 

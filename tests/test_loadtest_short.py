@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.planner.workloads import FixedLengths, Gamma, Uniform, generate
 from deploy.cli.main import build_parser
 from load_tests.contenders import Deployment, make_contender
 from load_tests.runner import run, scheduler_overrides
 from load_tests.slo import StepTimes, default_slo
 from load_tests.sweep import RunSettings, at_rate
-from load_tests.workloads import FixedLengths, Gamma, Uniform, generate
 
 CONTRACT_ROW = ("attainment_goodput", "attainment_strict", "attainment_cumulative", "goodput_rps",
                 "strict_rps", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "tbt_p50_s", "tbt_p99_s")

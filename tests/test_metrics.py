@@ -1,8 +1,8 @@
 """SLO metrics on hand-computed examples."""
 import pytest
 
-from load_tests.metrics import (RequestRecord, Turn, attainment_key, cumulative_attainment,
-                                meets_goodput, meets_strict, summarize, switches_per_second)
+from cluster.planner.metrics import (RequestRecord, Turn, attainment_key, cumulative_attainment,
+                                     meets_goodput, meets_strict, summarize, switches_per_second)
 from scheduler.slo import SLO
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
-from load_tests.zoo import ensure_model
+from actors.zoo.zoo import ensure_model
 
 BLOCK = 16
 MAX_NEW = 10

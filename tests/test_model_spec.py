@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from load_tests import zoo
 from actors.model_spec import CheckpointError, ModelSpec
+from actors.zoo import zoo
 
 
 @pytest.fixture(scope="module")

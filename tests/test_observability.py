@@ -73,8 +73,8 @@ async def _load(url: str, seconds: float) -> dict:
 def observed(ray_session, tmp_path_factory):
     if prometheus_binary() is None:
         pytest.skip(PROMETHEUS_MISSING)
-    from deploy.cli.commands import run_local
     from deploy.cli.main import main
+    from deploy.local import run_local
 
     tmp = tmp_path_factory.mktemp("prometheus")
     with run_local(MODELS, port=free_port(), **ARGS) as url:

@@ -18,8 +18,9 @@ import json
 import numpy as np
 import pytest
 
+from cluster.planner import plan_cli
 from deploy.cli.main import build_parser
-from load_tests import plan_cli, profiler, runner
+from load_tests import profiler, runner
 
 MODEL = "llama-10m"
 NUM_REQUESTS = 32

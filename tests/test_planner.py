@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster.planner.plan_cli import build_spec
+from cluster.planner.planner import Point, search
 from deploy.cli.main import build_parser, main
-from load_tests.plan_cli import build_spec
-from load_tests.planner import Point, search
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 pytestmark = pytest.mark.skipif(not (DATA / "profiles").is_dir(), reason="shared profiles not found")

@@ -38,8 +38,8 @@ def test_an_unknown_policy_is_refused_naming_the_known_ones(make):
 
             parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "fifo"})
         else:
-            from load_tests.devices import DeviceLayout, device_spec
-            from load_tests.simulator import FleetConfig
+            from cluster.planner.devices import DeviceLayout, device_spec
+            from cluster.planner.simulator import FleetConfig
 
             FleetConfig(1, DeviceLayout.carve(device_spec("H100"), 16 * 10**9), policy="fifo")
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
+from cluster.planner.metrics import RequestRecord, Turn, summarize
 from load_tests.analysis import analyze_trace, slo_sensitivity, slo_variants
-from load_tests.metrics import RequestRecord, Turn, summarize
 from load_tests.records import PointKey, RecordSet, read_records, write_records
 from load_tests.report import (README_BEGIN, README_END, build_report, plot_attainment_bands, plot_cdfs,
                                published_markdown, to_markdown, update_readme, write_report)

@@ -25,7 +25,7 @@ ARGS = {"models": MODELS, "devices_per_node": 2, "threads_per_worker": 1, "budge
 def url(ray_session):
     from ray import serve
 
-    from deploy.cli.commands import run_local
+    from deploy.local import run_local
 
     rest = {k: v for k, v in ARGS.items() if k != "models"}
     with run_local(MODELS, port=free_port(), app_name=APP, **rest) as base:   # joins the session Ray
@@ -34,7 +34,7 @@ def url(ray_session):
 
 
 def _workers():
-    from deploy.cli.commands import cluster_handle
+    from deploy.app_handles import cluster_handle
 
     return cluster_handle(APP).worker_handles.remote().result(timeout_s=30)
 
@@ -137,7 +137,8 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(url):
 
 
 def test_status_table_shows_workers_and_models(url):
-    from deploy.cli.commands import cluster_status, format_status
+    from deploy.app_handles import cluster_status
+    from deploy.cli.commands import format_status
 
     status = cluster_status()
     assert len(status.workers) == 2 and status.alive() == status.workers
@@ -149,7 +150,7 @@ def test_status_table_shows_workers_and_models(url):
 
 @pytest.mark.gpu
 def test_on_a_gpu_host_the_workers_run_on_cuda(url):
-    from deploy.cli.commands import cluster_status
+    from deploy.app_handles import cluster_status
 
     devices = {w.device for w in cluster_status().workers.values()}
     assert devices and all(str(d).startswith("cuda") for d in devices), devices
@@ -162,7 +163,8 @@ def test_zz_shutdown_leaves_no_tokenmux_actor(url):
     from ray import serve
 
     from cluster.router import ROUTER_NAME
-    from deploy.cli.commands import cluster_handle, undeploy
+    from deploy.app_handles import cluster_handle
+    from deploy.local import undeploy
 
     workers = list(_workers().values())
     namespace = cluster_handle(APP).namespace.remote().result(timeout_s=30)
@@ -219,7 +221,7 @@ def test_engine_config_from_args_is_a_valid_engine_config():
 
 
 def test_cli_models_list(tmp_path):
-    from deploy.cli.commands import parse_models
+    from deploy.local import parse_models
 
     ckpt = tmp_path / "my-model"
     ckpt.mkdir()

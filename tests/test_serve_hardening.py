@@ -33,7 +33,7 @@ ARGS = {"devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB
 def url(ray_session):
     from ray import serve
 
-    from deploy.cli.commands import run_local
+    from deploy.local import run_local
 
     with run_local(MODELS, port=free_port(), app_name=APP, **ARGS) as base:   # joins the session Ray
         yield base
@@ -87,7 +87,7 @@ def test_text_cut_mid_character_equals_decode_through_the_openai_sdk(url):
     import openai
     from transformers import AutoTokenizer
 
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     tok = AutoTokenizer.from_pretrained(ensure_model("llama-tiny-a"))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -114,7 +114,7 @@ def test_text_cut_mid_character_equals_decode_through_the_openai_sdk(url):
 def test_zz_shutdown(url):
     from ray import serve
 
-    from deploy.cli.commands import undeploy
+    from deploy.local import undeploy
 
     assert f"serve app {APP}" in undeploy(APP)
     assert APP not in serve.status().applications

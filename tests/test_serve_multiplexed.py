@@ -5,9 +5,9 @@ from collections import defaultdict
 
 import pytest
 
+from cluster.planner.workloads import FixedLengths, Poisson, Uniform, generate
 from load_tests.driver import run
 from load_tests.peers.serve_multiplexed import MultiplexedTarget, build_multiplexed_app, start_multiplexed
-from load_tests.workloads import FixedLengths, Poisson, Uniform, generate
 
 MODELS = ("llama-tiny-a", "qwen2-tiny-b", "mistral-tiny-c")
 MAX_NEW = 8

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.cost_model import fit_profile, num_fits
-from load_tests.devices import DEVICES, DeviceLayout, device_spec
-from load_tests.marketplace import DEFAULT_MIX, MODEL_TYPES, Marketplace, assign_types, parse_mix
-from load_tests.metrics import summarize
-from load_tests.simulator import FleetConfig, simulate
-from load_tests.traces import read_trace
-from load_tests.workloads import TraceRequest, Workload
+from cluster.planner.cost_model import fit_profile, num_fits
+from cluster.planner.devices import DEVICES, DeviceLayout, device_spec
+from cluster.planner.marketplace import DEFAULT_MIX, MODEL_TYPES, Marketplace, assign_types, parse_mix
+from cluster.planner.metrics import summarize
+from cluster.planner.simulator import FleetConfig, simulate
+from cluster.planner.traces import read_trace
+from cluster.planner.workloads import TraceRequest, Workload
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
 from scheduler.slo import SLO

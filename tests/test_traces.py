@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.traces import TraceError, detect_schema, map_models, read_rows, read_trace
-from load_tests.workloads import TraceRequest, Uniform
+from cluster.planner.traces import TraceError, detect_schema, map_models, read_rows, read_trace
+from cluster.planner.workloads import TraceRequest, Uniform
 
 DATA = Path("/work/shared/data/traces")
 AEGAEON = DATA / "aegaeon-synth" / "synth-16-0.5-1.0-1.0.csv"
@@ -127,7 +127,7 @@ def test_detect_schema():
 
 
 def test_requests_logged_in_one_tick_are_spread_over_it(tmp_path):
-    from load_tests.traces import spread_ties
+    from cluster.planner.traces import spread_ties
 
     f = tmp_path / "ticks.csv"
     f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"

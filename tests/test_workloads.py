@@ -4,11 +4,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from load_tests.workloads import (AEGAEON_TAIL_MODEL_SHARE, AEGAEON_TAIL_REQUEST_SHARE,
-                                  FixedLengths, Gamma, LogNormalLengths,
-                                  LongTail, OnOff, Poisson, TraceRequest, Uniform, Workload,
-                                  Zipf, generate, sample_models)
-from load_tests.traces import lengths_from_azure
+from cluster.planner.traces import lengths_from_azure
+from cluster.planner.workloads import (AEGAEON_TAIL_MODEL_SHARE, AEGAEON_TAIL_REQUEST_SHARE,
+                                       FixedLengths, Gamma, LogNormalLengths,
+                                       LongTail, OnOff, Poisson, TraceRequest, Uniform, Workload,
+                                       Zipf, generate, sample_models)
 
 AZURE_CODE = Path("/work/shared/data/traces/azure-llm-2023/code.csv")
 needs_data = pytest.mark.skipif(not AZURE_CODE.exists(), reason="shared trace data not present")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from load_tests import zoo
+from actors.zoo import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENMUX = Path(sys.executable).parent / "tokenmux"   # the env running the tests (a worktree has no .venv)

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from load_tests import zoo
-from load_tests.zoo_training import Training
+from actors.zoo import zoo
+from actors.zoo.zoo_training import Training
 
 # The fingerprints the zoo's untrained recipes had before trained recipes existed.
 FINGERPRINTS = {

@@ -14,14 +14,12 @@ import logging
 import signal
 import socket
 
+from deploy.app_handles import NothingRunning  # re-exported: the CLI catches it from here
+
 RAY_LOGGERS = ("ray", "ray.serve", "ray.data", "ray.train")
 # "Token authentication is enabled for this Ray cluster ..." on every local start: that is
 # the setting tokenmux wants (cluster/ray_runtime.py), not news.
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
-
-
-class NothingRunning(Exception):
-    """No Ray cluster (or no tokenmux app) where the command looked; the message is one line."""
 
 
 def _warnings_only(record: logging.LogRecord) -> bool:

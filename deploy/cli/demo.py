@@ -1,7 +1,7 @@
 """`tokenmux demo`: the main job on the embedded default, end to end on this machine.
 
 Builds the zoo's models if needed and serves the two trained ones (they write words, see
-load_tests/zoo_training.py) from ONE engine whose device budget holds a single model's
+actors/zoo/zoo_training.py) from ONE engine whose device budget holds a single model's
 weights, so every turn switches models between decode steps. Prints what each model wrote
 and how the engine spent its time; then the cluster part runs a bursty load over six models.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
-from load_tests.zoo import ensure_model
+from actors.zoo.zoo import ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -75,13 +75,14 @@ def burst_demo(duration_s: float = 45.0, max_requests: int = 120, out_dir: str =
 
     import ray
 
-    from deploy.cli.commands import cluster_handle, run_local
+    from cluster.planner.metrics import summarize
+    from cluster.planner.traces import lengths_from_azure
+    from cluster.planner.workloads import FixedLengths, Gamma, Zipf, generate
+    from deploy.app_handles import cluster_handle
+    from deploy.local import run_local
     from load_tests.contenders import turns_from_timelines
     from load_tests.driver import OpenAIHTTPTarget, run
-    from load_tests.metrics import summarize
     from load_tests.report import write_report
-    from load_tests.traces import lengths_from_azure
-    from load_tests.workloads import FixedLengths, Gamma, Zipf, generate
     from scheduler.slo import SLO
 
     slo = SLO(ttft_s=2.0, tbt_s=0.25)

@@ -40,7 +40,7 @@ def _zoo_parser(parser: argparse.ArgumentParser) -> None:
 def _zoo_build(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from load_tests import zoo
+    from actors.zoo import zoo
 
     names = None  # every recipe marked default
     if args.models is not None:
@@ -67,7 +67,7 @@ def _zoo_build(args: argparse.Namespace) -> int:
 
 
 def _zoo_list(args: argparse.Namespace) -> int:
-    from load_tests import zoo
+    from actors.zoo import zoo
 
     rows = zoo.list_zoo(args.dir)
     if args.json:
@@ -122,14 +122,14 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 
 def _plan_parser(parser: argparse.ArgumentParser) -> None:
-    from load_tests.plan_cli import add_arguments   # stdlib-only at import; the simulator loads in run
+    from cluster.planner.plan_cli import add_arguments   # stdlib-only at import; the simulator loads in run
 
     add_arguments(parser)
     parser.set_defaults(run=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from load_tests.plan_cli import run
+    from cluster.planner.plan_cli import run
 
     return run(args)
 

@@ -17,8 +17,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from deploy.cli.commands import (DEFAULT_HOST, DEFAULT_PORT, _parse_args, deploy, load_config_args,
-                                 load_http_options, parse_models, undeploy)
+from deploy.cli.commands import load_config_args, load_http_options
+from deploy.local import DEFAULT_HOST, DEFAULT_PORT, _parse_args, deploy, parse_models, undeploy
 from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
 from scheduler.policy_registry import POLICY_NAMES  # pure Python
 

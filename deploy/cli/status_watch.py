@@ -39,7 +39,7 @@ def gather(app: str) -> tuple["ClusterStatus", dict[str, dict]]:
     """(status, worker id -> telemetry) of the running app; a worker that does not answer is left out."""
     import ray
 
-    from deploy.cli.app_handles import cluster_handle, cluster_status
+    from deploy.app_handles import cluster_handle, cluster_status
 
     status = cluster_status(app)
     handles = cluster_handle(app).worker_handles.remote().result(timeout_s=30)

@@ -129,7 +129,7 @@ class AppArgs(BaseModel):
             if not source.strip():
                 raise ValueError(f"model {name!r}: empty source; give a checkpoint dir or zoo:NAME")
             if source.startswith(ZOO_PREFIX):
-                from load_tests import zoo
+                from actors.zoo import zoo
 
                 zoo_name = source[len(ZOO_PREFIX):]
                 if zoo_name not in zoo.ZOO:
@@ -194,7 +194,7 @@ def resolve_model_sources(models: dict[str, str], progress=None) -> dict[str, st
         if progress is not None:
             progress(name, i, len(models))
         if source.startswith(ZOO_PREFIX):
-            from load_tests import zoo
+            from actors.zoo import zoo
 
             resolved[name] = str(zoo.ensure_model(source[len(ZOO_PREFIX):]))
         else:

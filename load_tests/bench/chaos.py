@@ -163,7 +163,7 @@ async def burst(url: str, batch: list[dict], during=None) -> tuple[list[Outcome]
 def worker_kill(url: str, n: int, seed: int) -> dict:
     import ray
 
-    from deploy.cli.app_handles import cluster_handle, cluster_status
+    from deploy.app_handles import cluster_handle, cluster_status
 
     batch = bodies(n, seed)
     calm, calm_s = asyncio.run(burst(url, batch))
@@ -207,7 +207,7 @@ def router_kill(url: str) -> dict:
     import httpx
     import ray
 
-    from deploy.cli.app_handles import cluster_handle
+    from deploy.app_handles import cluster_handle
 
     router = cluster_handle(APP).router.remote().result(timeout_s=30)
     body = {"model": sorted(MODELS)[0], "prompt": "After the router", "max_tokens": 4, "temperature": 0}
@@ -227,7 +227,7 @@ def router_kill(url: str) -> dict:
 def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> dict:
     import httpx
 
-    from deploy.cli.app_handles import cluster_status
+    from deploy.app_handles import cluster_status
 
     async def abandon(client, body) -> None:
         try:
@@ -256,7 +256,7 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
     if inflight:   # which requests the router still counts (picked by id, never released)
         import ray
 
-        from deploy.cli.app_handles import cluster_handle
+        from deploy.app_handles import cluster_handle
         router = cluster_handle(APP).router.remote().result(timeout_s=60)
         leftover = ray.get(router.inflight_requests.remote())
     return {"disconnect_leftover_requests": leftover,
@@ -309,7 +309,7 @@ def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dic
 
 def _rss_mb() -> dict[str, float]:
     """RSS of each DeviceWorker and the ingress replicas of the app, in MiB (from /proc)."""
-    from deploy.cli.app_handles import cluster_status
+    from deploy.app_handles import cluster_status
 
     pids = {w: s.pid for w, s in cluster_status(APP).alive().items()}
     for entry in os.listdir("/proc"):   # the ingress replicas: Ray titles them ServeReplica:<app>:<deployment>
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--requests must be >= 3, --overload-s > 0, --fuzz-examples >= 1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from deploy.cli.commands import run_local
+    from deploy.local import run_local
 
     t0 = time.monotonic()
     with run_local(MODELS, port=free_port(), host="127.0.0.1", app_name=APP, **SERVER_ARGS) as url:

@@ -68,7 +68,7 @@ def _layout(shape: dict) -> dict:
     if shape["layout"] is not None:
         return dict(shape["layout"])
     from actors.model_spec import ModelSpec
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     spec = ModelSpec.from_dir(ensure_model(shape["model"]))
     return {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.worker import DeviceWorker
     from cluster.router import GlobalRouter
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     if ray.is_initialized():
         raise ValueError("bench cluster starts its own 2-raylet cluster; run it in a fresh process")

@@ -159,7 +159,7 @@ def _figures(agents: list[dict], memory: int, swaps: int, processes: int) -> dic
 
 
 def run(args: argparse.Namespace) -> int:
-    from load_tests import zoo
+    from actors.zoo import zoo
 
     counts = _counts(args.agents)
     for name in ("turns", "new_tokens", "user_tokens", "repeats"):

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     sections = check_args(args)   # bad numbers fail before anything heavy loads
     import torch
 
-    from load_tests import zoo
+    from actors.zoo import zoo
     from load_tests.bench.common import bench_host_cache, machine_info
     from load_tests.bench.shapes import parse_shapes
 

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def _recipes():
-    from load_tests.zoo import Recipe
+    from actors.zoo.zoo import Recipe
 
     return {
         # Llama-3.2-1B: tied embeddings, llama3 RoPE scaling.
@@ -77,7 +77,7 @@ def build_shape(name: str, parent: Path | None = None, device: torch.device | st
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from load_tests import zoo
+    from actors.zoo import zoo
 
     r = _recipes()[name]
     config = zoo._hf_config(replace(r, logit_std=5.0))

@@ -22,7 +22,7 @@ FLOOR_S = 5.0
 
 
 def add_arguments(p) -> None:
-    from load_tests.marketplace import DATA_DIR
+    from cluster.planner.marketplace import DATA_DIR
 
     p.add_argument("--trace", default=str(DATA_DIR / "traces" / "aegaeon-synth" / "synth-20-0.1-1.0-2.0.csv"))
     p.add_argument("--gpus", type=int, default=16)
@@ -33,10 +33,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from load_tests.cost_model import num_fits
-    from load_tests.metrics import summarize
-    from load_tests.plan_cli import add_arguments as add_plan_arguments, build_spec
-    from load_tests.simulator import simulate
+    from cluster.planner.cost_model import num_fits
+    from cluster.planner.metrics import summarize
+    from cluster.planner.plan_cli import add_arguments as add_plan_arguments, build_spec
+    from cluster.planner.simulator import simulate
 
     if args.repeats < 1 or args.gpus < 1:
         raise ValueError("--repeats and --gpus must be >= 1")

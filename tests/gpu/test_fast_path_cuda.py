@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.engine import Engine, EngineConfig
-from load_tests.zoo import ensure_model
+from actors.zoo.zoo import ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 

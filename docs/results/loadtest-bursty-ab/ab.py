@@ -14,13 +14,13 @@ run's SLO). Writes OUT.json (attainment per rate and seed) and OUT.json.records.
 import argparse, json, time, logging
 from types import SimpleNamespace
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+from cluster.planner.metrics import summarize
 from cluster.ray_runtime import connect_or_start
 from load_tests.contenders import Deployment
 from load_tests.experiment import Experiment, TraceSpec
 from load_tests.records import write_records
 from load_tests.run_setup import engine_config, served_models
 from load_tests.sweep import RunSettings
-from load_tests.metrics import summarize
 from scheduler.slo import SLO
 
 p = argparse.ArgumentParser()

@@ -9,7 +9,7 @@ part is priced instead of run:
            rest of a prefetch the previous step started; one copy at a time on the link
     swaps  KV blocks the step swaps out and in (host KV), at the host link's bandwidth
     step   prefill: the model type's fit at (new tokens, attention term); decode: at
-           (batch, context tokens) (load_tests/cost_model.py)
+           (batch, context tokens) (cluster/planner/cost_model.py)
 
 then `update(...)` with one token per request at the step's end. `prefetch_model` starts a
 background copy into the least recently used slot that is neither running nor being
@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from load_tests.cost_model import ProfiledEstimator
-from load_tests.devices import DeviceLayout
-from load_tests.marketplace import Marketplace
-from load_tests.metrics import Turn
+from cluster.planner.cost_model import ProfiledEstimator
+from cluster.planner.devices import DeviceLayout
+from cluster.planner.marketplace import Marketplace
+from cluster.planner.metrics import Turn
 from scheduler.kv_blocks import BlockManager
 from scheduler.policy import SchedulerConfig, SchedulerOutput
 from scheduler.policy_registry import make_policy

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from load_tests.workloads import EmpiricalLengths, LongTail, Popularity, TraceRequest, Workload, sample_models
+from cluster.planner.workloads import EmpiricalLengths, LongTail, Popularity, TraceRequest, Workload, sample_models
 
 logger = logging.getLogger(__name__)
 

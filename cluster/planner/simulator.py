@@ -8,11 +8,11 @@ Every decision is made by the code the live cluster runs:
                 and applied as the PlacementService applies it (`plan_changes`)
     routing     scheduler.routing.RoutingPolicy: `pick` for each arrival, `pick_decode` for
                 the KV handoff of a request prefilled on a prefill worker
-    workers     one SimWorker per device (load_tests/sim_worker.py): the policy registry's
+    workers     one SimWorker per device (cluster/planner/sim_worker.py): the policy registry's
                 token / request / dedicated policy over real block accounting
 
 Only the devices' time is simulated: steps, weight swap-ins and KV swaps are priced from
-the model types' profiles and the device spec (load_tests/cost_model.py, devices.py), and
+the model types' profiles and the device spec (cluster/planner/cost_model.py, devices.py), and
 a KV handoff costs its bytes over the node's device-to-device link (the network across
 nodes) plus a fixed latency. Events (arrivals, step ends, handoffs, replans) run in time
 order; a worker that goes idle sleeps until something is added to it.
@@ -35,11 +35,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from load_tests.devices import DeviceLayout
-from load_tests.marketplace import Marketplace
-from load_tests.metrics import RequestRecord, Turn
-from load_tests.sim_worker import SimWorker
-from load_tests.workloads import Workload
+from cluster.planner.devices import DeviceLayout
+from cluster.planner.marketplace import Marketplace
+from cluster.planner.metrics import RequestRecord, Turn
+from cluster.planner.sim_worker import SimWorker
+from cluster.planner.workloads import Workload
 from scheduler.kv_blocks import blocks_for_tokens
 from scheduler.placement import (ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy,
                                  observed_load, plan_changes)

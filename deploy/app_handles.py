@@ -1,7 +1,8 @@
 """Handles on a running tokenmux Serve app: its cluster deployment and the cluster's status.
 
-Their own module so `tokenmux status` (commands.py) and `status --watch` (status_watch.py)
-both reach the app without importing each other.
+Their own module so `tokenmux status` (cli/commands.py), `status --watch`
+(cli/status_watch.py), deploy/local.py and the chaos bench all reach the app without
+importing each other or the CLI.
 """
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.messages import ClusterStatus
+
+
+class NothingRunning(Exception):
+    """No Ray cluster (or no tokenmux app) where the command looked; the message is one line."""
 
 
 def cluster_handle(app_name: str = "tokenmux"):
@@ -23,8 +28,6 @@ def cluster_handle(app_name: str = "tokenmux"):
 def cluster_status(app_name: str = "tokenmux") -> "ClusterStatus":
     """The topology's status (workers, plan, router) from the app that owns it."""
     from ray import serve
-
-    from deploy.cli.console import NothingRunning
 
     if app_name not in serve.status().applications:
         raise NothingRunning(f"no tokenmux app {app_name!r} is running on this cluster "

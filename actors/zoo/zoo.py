@@ -10,7 +10,7 @@ exercised: GQA and MQA, head_dim != hidden/heads, q/k/v bias, tied embeddings, R
 scaling, several EOS ids.
 
 The tokenizer is a byte-level BPE trained here, in well under a second, on
-load_tests/zoo_corpus.txt (text written for tokenmux) and shared by all zoo models.
+actors/zoo/zoo_corpus.txt (text written for tokenmux) and shared by all zoo models.
 
 Where models live: $TOKENMUX_ZOO_DIR, else ~/.cache/tokenmux/zoo. A model directory is
 complete once its marker file (written last) exists and matches the recipe; an
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from load_tests.zoo_training import Training, train
+from actors.zoo.zoo_training import Training, train
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Recipe:
     # The final RMSNorm weight is set so that logits have about this std (peaky softmax).
     logit_std: float = 5.0
     default: bool = True            # built by `build_zoo()` without names
-    # None: random weights (speak noise). A Training: trained on the corpus (load_tests/zoo_training.py).
+    # None: random weights (speak noise). A Training: trained on the corpus (actors/zoo/zoo_training.py).
     training: Training | None = None
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@
 Arguments -> workload (a trace, or arrivals x popularity x Azure lengths) -> a marketplace
 (each model a type of --model-mix, costs fitted from --profiles on --gpu) -> one device
 layout (slots x weights + KV, refused with the numbers when it does not fit) -> the
-planner's search per policy (load_tests/planner.py) -> a table, JSON, a plot.
+planner's search per policy (cluster/planner/planner.py) -> a table, JSON, a plot.
 
 This module imports only the standard library at the top, so `tokenmux --help` stays fast.
 """
@@ -31,7 +31,7 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from load_tests.marketplace import DEFAULT_MIX   # stdlib + dataclasses only
+    from cluster.planner.marketplace import DEFAULT_MIX   # stdlib + dataclasses only
 
     w = p.add_argument_group("workload: a trace, or a synthetic marketplace")
     w.add_argument("--trace", help="trace CSV (Aegaeon, Azure 2023 or BurstGPT)")
@@ -89,9 +89,9 @@ def build_spec(args):
     """(PlanSpec, description) from the arguments; ValueError names what is wrong."""
     from dataclasses import replace
 
-    from load_tests.devices import DeviceLayout, device_spec
-    from load_tests.marketplace import PROFILES_DIR, Marketplace, parse_mix
-    from load_tests.planner import PlanSpec, quota_for_device
+    from cluster.planner.devices import DeviceLayout, device_spec
+    from cluster.planner.marketplace import PROFILES_DIR, Marketplace, parse_mix
+    from cluster.planner.planner import PlanSpec, quota_for_device
     from scheduler.placement import PlacementConfig
     from scheduler.policy import SchedulerConfig
     from scheduler.routing import RoutingConfig
@@ -139,7 +139,7 @@ def build_spec(args):
 
 
 def run(args) -> int:
-    from load_tests.planner import savings, search, table
+    from cluster.planner.planner import savings, search, table
 
     spec, about = build_spec(args)
     progress = None if args.no_progress else _progress_bar(len(args.policies))
@@ -165,7 +165,7 @@ def run(args) -> int:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(out, indent=2) + "\n")
     if args.plot:
-        from load_tests.planner import plot
+        from cluster.planner.planner import plot
 
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(plans, args.metric, args.target, args.plot,
@@ -174,8 +174,8 @@ def run(args) -> int:
 
 
 def _workload(args):
-    from load_tests import workloads as w
-    from load_tests.traces import lengths_from_azure, read_trace
+    from cluster.planner import workloads as w
+    from cluster.planner.traces import lengths_from_azure, read_trace
 
     if args.models < 1:
         raise ValueError(f"--models must be >= 1, got {args.models}")
@@ -194,7 +194,7 @@ def _workload(args):
     if not args.rate > 0 or not args.duration > 0:
         raise ValueError("--rate and --duration must be > 0")
     arrivals = w.Poisson(args.rate) if args.arrival == "poisson" else w.Gamma(args.rate, args.cv)
-    from load_tests.run_setup import AZURE_CONV
+    from cluster.planner.marketplace import AZURE_CONV
 
     lengths = (lengths_from_azure(AZURE_CONV, max_input=4000, max_output=2000)
                if AZURE_CONV.is_file() else w.LogNormalLengths(input_median=700, output_median=250))
@@ -205,7 +205,7 @@ def _workload(args):
 def _has_no_model_column(path: str) -> bool:
     import csv
 
-    from load_tests.traces import detect_schema
+    from cluster.planner.traces import detect_schema
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"trace file not found: {path}")

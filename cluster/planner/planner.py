@@ -1,8 +1,8 @@
 """How many GPUs does this marketplace need? The fleet simulator, searched over GPU counts.
 
 For each policy (token, request, dedicated) the planner simulates the workload on n
-devices (load_tests/simulator.py: the real placement, routing and per-worker policies) and
-measures SLO attainment with load_tests/metrics.py (strict per-token deadlines, goodput
+devices (cluster/planner/simulator.py: the real placement, routing and per-worker policies) and
+measures SLO attainment with cluster/planner/metrics.py (strict per-token deadlines, goodput
 or Aegaeon's cumulative measure). The answer for a policy is the fewest devices whose
 attainment reaches the target *and stays there one device further*: attainment is not
 monotone in n (one more worker can change a packing for the worse), so a lucky single
@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from load_tests.devices import DeviceLayout
-from load_tests.marketplace import Marketplace
-from load_tests.metrics import summarize
-from load_tests.simulator import FleetConfig, simulate
-from load_tests.workloads import Workload
+from cluster.planner.devices import DeviceLayout
+from cluster.planner.marketplace import Marketplace
+from cluster.planner.metrics import summarize
+from cluster.planner.simulator import FleetConfig, simulate
+from cluster.planner.workloads import Workload
 from scheduler.placement import PlacementConfig
 from scheduler.policy import SchedulerConfig
 from scheduler.routing import RoutingConfig

@@ -2,7 +2,7 @@
 
 A model type is what the fleet pays for one model: its weight bytes (a switch copies them),
 its KV shape (what a token of context holds), its longest context, and its step-time fit
-on the planned device (load_tests/cost_model.py, from `profiles/<type>/<GPU>`). The table
+on the planned device (cluster/planner/cost_model.py, from `profiles/<type>/<GPU>`). The table
 holds the three types of Aegaeon's simulator mix (60% qwen2.5-7b, 20% yi-9b, 20%
 llama2-13b; sizes from their configs, bf16); a directory written by `tokenmux profile`
 (iNbB.json files + model.json) is a type too, with its costs on the machine it was
@@ -20,12 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from load_tests.cost_model import StepCostFit, fit_profile
+from cluster.planner.cost_model import StepCostFit, fit_profile
 from scheduler.kv_blocks import KVShape
 
 DEFAULT_MIX = "qwen2.5-7b:0.6,yi-9b:0.2,llama2-13b:0.2"   # Aegaeon's simulator mix
-DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[3] / "shared" / "data")
 PROFILES_DIR = DATA_DIR / "profiles"
+AZURE_CONV = DATA_DIR / "traces" / "azure-llm-2023" / "conv.csv"
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 
 The zoo's other models have random weights and speak noise; a demo that shows what two
 models wrote reads better when they write words. A `Training` recipe trains the freshly
-initialised checkpoint on load_tests/zoo_corpus.txt (plain lines, and the same lines as
+initialised checkpoint on actors/zoo/zoo_corpus.txt (plain lines, and the same lines as
 ChatML answers to a few fixed questions, so both completions and chat produce sentences
 that end with an end-of-text or end-of-turn token). Everything is seeded and the thread
 count fixed, so a rebuild on the same machine gives the same weights.
 
-    Recipe("llama-prose", ..., training=Training(steps=240))   # in load_tests/zoo.py
+    Recipe("llama-prose", ..., training=Training(steps=240))   # in actors/zoo/zoo.py
 """
 from __future__ import annotations
 
