@@ -3,8 +3,8 @@ on this very device, else the reference path.
 
 On a CUDA device the fast path (fused projections, decode replayed from CUDA graphs) is checked
 once per process before anything is served: a small random-weight Llama checkpoint is written to
-a temporary folder, and two small engines, one per path, decode the same greedy requests (batch 1,
-and batch 3 padded to a graph bucket of 4). The fast path is taken when every request keeps the
+a temporary folder, swapped into a slot from the host cache for each path as an engine's weights
+are, and both runners decode the same greedy prompts (batch 1, then 3 padded to a graph bucket). The fast path is taken when every request keeps the
 reference's tokens; a mismatch or an error falls back to the reference path, logged as a warning
 and reported in the engine's stats (`tokenmux status` shows it). A broken kernel costs speed,
 never the cluster. A CPU keeps the reference path: its fast path (packed kernels) stays opt-in,
@@ -23,7 +23,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 CHECK_TOKENS = 12            # greedy tokens per request
 CHECK_PROMPTS = ((3, 17, 29, 4, 11), (7,), (5, 9, 13, 21, 2, 8, 30, 31, 1, 6, 12, 14, 15, 16, 19, 22, 23))
 
@@ -87,30 +86,39 @@ def write_check_model(folder: Path) -> Path:
 
 
 def _greedy(path: Path, device: torch.device, kernels: str) -> list[list[int]]:
-    from actors.engine import Engine, EngineConfig
+    """Greedy tokens of the check's prompts through the runner of `kernels`, its weights swapped
+    into a slot from the host cache as an engine's are (batch 1, then three sequences at once)."""
+    from actors.device_memory import DeviceMemory
     from actors.host_cache import HostWeightCache
-    from scheduler.messages import GenerateRequest
-    from scheduler.sampling_params import SamplingParams
+    from actors.kernel_path import KernelPath
+    from actors.model_runner import ModelRunner, SeqChunk
+    from actors.model_spec import ModelSpec
+    from actors.weight_slots import WeightSlots
 
+    spec = ModelSpec.from_dir(path)
+    kernel_path = KernelPath(kernels, device.type)
+    layout = kernel_path.weight_layout(path, torch.float32)
     cache = HostWeightCache(prefix=f"kcheck-{uuid.uuid4().hex[:8]}")
     try:
-        engine = Engine(EngineConfig(device=str(device), budget_bytes=12 * MiB, kv_bytes=4 * MiB, num_slots=2,
-                                     slab_bytes=1 * MiB, host_kv_bytes=0, kernels=kernels, detokenize=False),
-                        host_cache=cache)
-        engine.register_model("check", path)
-        params = SamplingParams(max_tokens=CHECK_TOKENS, temperature=0.0, ignore_eos=True)
-        out: dict[str, list[int]] = {}
-        # batch 1 first (its own graph bucket), then three at once (padded to a bucket of 4)
+        memory = DeviceMemory(layout.total_bytes + 2 * 4096, 4096, 1, device)
+        slots = WeightSlots(memory, cache, {"check": layout})
+        slots.ensure_resident("check")
+        params = slots.params("check")
+        runner = ModelRunner(spec, device, kernels, cuda_graphs=kernel_path.cuda_graphs)
+        blocks_per_seq = -(-(max(map(len, CHECK_PROMPTS)) + CHECK_TOKENS) // 16)
+        kv = torch.zeros((1, 3 * blocks_per_seq, spec.num_layers, 2, 16, spec.num_kv_heads, spec.head_dim),
+                         device=device)   # [slabs, blocks, L, 2, 16, Hkv, D]
+        out = []
         for group in ((0,), (0, 1, 2)):
-            for i in group:
-                request_id = f"r{len(out)}"
-                out[request_id] = []
-                engine.add_request(GenerateRequest(request_id, "check", CHECK_PROMPTS[i], params))
-            while engine.has_unfinished():
-                for frame in engine.step():
-                    if frame.error is not None:
-                        raise RuntimeError(frame.error)
-                    out[frame.request_id].extend(frame.token_ids)
-        return list(out.values())
+            chunks = [SeqChunk(list(CHECK_PROMPTS[i]), 0, list(range(j * blocks_per_seq, (j + 1) * blocks_per_seq)))
+                      for j, i in enumerate(group)]
+            tokens = [[] for _ in group]
+            for _ in range(CHECK_TOKENS):
+                picked = runner.forward(params, chunks, kv).argmax(-1).tolist()
+                for seq, token in zip(tokens, picked):
+                    seq.append(token)
+                chunks = [SeqChunk([t], c.start_pos + len(c.token_ids), c.block_ids) for c, t in zip(chunks, picked)]
+            out += tokens
+        return out
     finally:
         cache.close()
