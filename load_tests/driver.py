@@ -17,6 +17,11 @@ driver when its chunk arrives (the client-observed time the SLO judges: a token 
 made but has not delivered is not served yet); an OutputFrame's own `token_times` (the
 worker's wall clock) are kept beside them as `server_token_times`, a diagnostic of how much
 the transport adds. An error is recorded on the request, never raised out of the run.
+
+A refusal (HTTP 429, the target raises `Refused`) is sent again after its Retry-After, at most
+`max_retries` times, as the openai SDK does (it retries twice); the record counts the retries
+(`num_retries`), says whether the server still refused it at the end (`refused`), and its TTFT
+counts from its first send.
 """
 from __future__ import annotations
 
@@ -45,6 +50,14 @@ class Target(Protocol):
 
 class TargetError(RuntimeError):
     """The target answered, but with an error (HTTP status, error event)."""
+
+
+class Refused(TargetError):
+    """The target refused the request for now (HTTP 429); try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class CallableTarget:
@@ -103,6 +116,8 @@ class OpenAIHTTPTarget:
                                        headers=headers) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:500]
+                if resp.status_code == 429:
+                    raise Refused(f"HTTP 429: {detail}", _retry_after_s(resp.headers.get("retry-after")))
                 raise TargetError(f"HTTP {resp.status_code}: {detail}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -122,6 +137,14 @@ class OpenAIHTTPTarget:
                 usage = event.get("usage")
                 if usage and usage.get("prompt_tokens"):
                     yield OutputFrame(request_id, num_prompt_tokens=int(usage["prompt_tokens"]))
+
+
+def _retry_after_s(header: str | None) -> float:
+    """Seconds a Retry-After header asks for (1 when absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(header)) if header is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 _WORDS = ("the of and to in is for on that with as it at by from this be are or an was "
@@ -159,25 +182,19 @@ class _Clock:
 
 
 async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, prompt: Prompt,
-                    timeout_s: float, clock: _Clock) -> None:
-    agen = target.stream(req.model, prompt, req.output_len, rec.request_id)
+                    timeout_s: float, clock: _Clock, max_retries: int = 0) -> None:
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in agen:
-                now = clock.now()
-                if isinstance(chunk, OutputFrame):
-                    if chunk.num_prompt_tokens:
-                        rec.num_prompt_tokens = chunk.num_prompt_tokens
-                    rec.worker_id = chunk.worker_id or rec.worker_id
-                    ids = chunk.token_ids
-                    rec.token_times.extend([now] * len(ids))
-                    if len(chunk.token_times) == len(ids):
-                        rec.server_token_times.extend(clock.from_wall(t) for t in chunk.token_times)
-                    if chunk.error:
-                        rec.error = chunk.error
-                        break
-                else:
-                    rec.token_times.extend([now] * len(chunk))
+            while True:
+                try:
+                    await _receive(target, req, rec, prompt, clock)
+                    break
+                except Refused as refusal:
+                    if rec.num_retries >= max_retries:
+                        rec.refused = True
+                        raise
+                    rec.num_retries += 1
+                    await asyncio.sleep(refusal.retry_after_s)
     except TimeoutError:
         rec.error = f"timeout after {timeout_s:g} s"
     except asyncio.CancelledError:
@@ -189,6 +206,28 @@ async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, promp
         rec.end = clock.now()
         rec.num_output_tokens = len(rec.token_times)
         rec.first_token_time = rec.token_times[0] if rec.token_times else None
+
+
+async def _receive(target: Target, req: TraceRequest, rec: RequestRecord, prompt: Prompt, clock: _Clock) -> None:
+    """One send of the request: its tokens stamped into `rec` as they arrive."""
+    agen = target.stream(req.model, prompt, req.output_len, rec.request_id)
+    try:
+        async for chunk in agen:
+            now = clock.now()
+            if isinstance(chunk, OutputFrame):
+                if chunk.num_prompt_tokens:
+                    rec.num_prompt_tokens = chunk.num_prompt_tokens
+                rec.worker_id = chunk.worker_id or rec.worker_id
+                ids = chunk.token_ids
+                rec.token_times.extend([now] * len(ids))
+                if len(chunk.token_times) == len(ids):
+                    rec.server_token_times.extend(clock.from_wall(t) for t in chunk.token_times)
+                if chunk.error:
+                    rec.error = chunk.error
+                    break
+            else:
+                rec.token_times.extend([now] * len(chunk))
+    finally:
         aclose: Callable[[], Awaitable[None]] | None = getattr(agen, "aclose", None)
         if aclose is not None:
             try:
@@ -200,8 +239,8 @@ async def _send_one(target: Target, req: TraceRequest, rec: RequestRecord, promp
 async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
               duration_s: float | None = None, max_requests: int | None = None,
               request_timeout_s: float = 120.0, drain_timeout_s: float | None = None,
-              vocab_size: int | None = None, seed: int = 0,
-              progress: bool = False, idle_skip_s: float | None = None) -> list[RequestRecord]:
+              vocab_size: int | None = None, seed: int = 0, progress: bool = False,
+              idle_skip_s: float | None = None, max_retries: int = 0) -> list[RequestRecord]:
     """Replay `workload` against `target` open loop; one record per request sent.
 
     Requests arriving at or after duration_s, or beyond the first max_requests, are not
@@ -209,7 +248,8 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
     request_timeout_s + 1 s) to finish; the rest are cancelled and recorded as errors. Times in
     the records are seconds since the start of the run (idle stretches longer than
     idle_skip_s skipped, see the module docstring). Prompts are token ids when vocab_size is
-    given, else text (see make_prompt), seeded per request from `seed`.
+    given, else text (see make_prompt), seeded per request from `seed`. A refused request is
+    sent again up to `max_retries` times (see the module docstring).
     """
     if not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
@@ -217,6 +257,8 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
         raise ValueError(f"idle_skip_s must be > 0 or None, got {idle_skip_s!r}")
     if duration_s is not None and not duration_s > 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s!r}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests!r}")
     todo = [r for r in workload if duration_s is None or r.arrival_s < duration_s]
@@ -251,7 +293,7 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
                                 num_prompt_tokens=req.input_len)
             prompt = make_prompt(req.input_len, seed * 1_000_003 + i, vocab_size=vocab_size)
             task = asyncio.create_task(
-                _send_one(target, req, rec, prompt, request_timeout_s, clock))
+                _send_one(target, req, rec, prompt, request_timeout_s, clock, max_retries))
             task.add_done_callback(lambda _: bar.update(1))
             records.append(rec)
             tasks.append(task)

@@ -108,6 +108,14 @@ class RoutingPolicy:
         kv_penalty = cfg.kv_full_penalty if view.kv_free_frac < cfg.kv_full_frac else 1.0
         return switch + view.load * step * kv_penalty
 
+    def start_rate(self, model: str, views: Iterable[WorkerView], plan: "PlacementPlan | None" = None) -> float:
+        """Requests of `model` the cluster starts per second when they queue, at the speed its
+        workers are known to run, by the rule of `predicted_delay_s` (each request ahead costs
+        one step): the sum of 1 / step time over the live workers that prefill it (0: none)."""
+        cands = self.candidates(model, views, plan)
+        prefilling = [v for v in cands if v.role != "decode"] or cands   # as `pick`: any holder runs both
+        return sum(1.0 / (v.step_time_s or self.config.default_step_s) for v in prefilling)
+
     def pick(self, model: str, views: Iterable[WorkerView], slo: SLO | None = None,
              plan: "PlacementPlan | None" = None) -> str:
         """Worker id for a new request of `model` (it prefills there)."""

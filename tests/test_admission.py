@@ -72,7 +72,7 @@ def test_a_first_burst_waits_only_up_to_the_cold_bound_until_its_start_rate_is_m
     admission = Admission(AdmissionConfig(max_waiting=1000, ttft_slo_multiple=2.0, cold_waiting=8, adaptive=False), clock=clock)
     queue = [admission.admit(MODEL, 1.0) for _ in range(8)]
     e = refusal(admission)                                            # no rate yet: the 9th waits outside
-    assert "8 requests waiting to start and no measured start rate yet" in e.message
+    assert "8 requests waiting to start and no known start rate yet" in e.message
     assert e.headers["Retry-After"] == "1"
     assert admission.admit(OTHER_MODEL, 1.0) is not None              # the bound is per model
     for _ in range(5):                                                # the standing queue serves 4 / s
@@ -97,49 +97,90 @@ def test_an_idle_gap_is_not_taken_for_a_slow_server():
     assert admission.predicted_ttft_s(MODEL) == pytest.approx(0.1)
 
 
-def test_late_first_tokens_halve_the_requests_in_flight_and_on_time_ones_grow_them_back():
+def measure_rate(admission: Admission, clock: Clock, per_s: float, model: str = MODEL) -> None:
+    """Give `model` a measured start rate: a standing queue of 6 starting `per_s` a second."""
+    queue = [admission.admit(model, 100.0) for _ in range(6)]
+    for t in queue:
+        clock.now += 1 / per_s
+        t.first_token()
+    for t in queue:
+        t.release()
+
+
+def test_late_starts_of_requests_admitted_on_a_measured_rate_cut_the_limit_and_an_idle_edge_forgets_them():
     clock = Clock()
-    admission = Admission(AdmissionConfig(ttft_slo_multiple=0, initial_active=8, min_active=2), clock=clock)
-    first = [admission.admit(MODEL, 1.0) for _ in range(8)]
-    assert "limit of 8 requests in flight" in refusal(admission).message
+    admission = Admission(AdmissionConfig(ttft_slo_multiple=0, initial_active=16, min_active=2), clock=clock)
+    measure_rate(admission, clock, per_s=20)
+    first = [admission.admit(MODEL, 1.0) for _ in range(16)]
+    assert "limit of 16 requests in flight" in refusal(admission).message
     clock.now += 1.5                                     # the edge fell behind: they start 1.5 s in, SLO 1 s
     for t in first:
         t.first_token()
-    # halved once, not once per late request: all 8 were admitted under the old limit
-    assert admission.limit_now() == 4
-    for t in first[:5]:
+    # cut once, not once per late request: all 16 were admitted under the old limit
+    assert admission.limit_now() == 8
+    for t in first[:9]:
         t.release()
-    assert admission.active == 3
-    admission.check_room()                               # 3 < 4: room
+    admission.check_room()                               # 7 in flight < 8: room
     late = admission.admit(MODEL, 1.0, arrived_at=clock.now - 0.5)   # 0.5 s already spent reading it
     e = refusal(admission)
-    assert "limit of 4 requests in flight (lowered while recent requests started late)" in e.message
+    assert "limit of 8 requests in flight (lowered while recent requests started late)" in e.message
     clock.now += 0.6                                     # 1.1 s after it arrived: late under the new limit too
     late.first_token()
-    assert admission.limit_now() == 2                    # min(limit 4, 4 in flight) x 0.5
-    for t in [*first[5:], late]:
+    assert admission.limit_now() == 4                    # min(limit 8, 8 in flight) x 0.5
+    kept = first[9]                                      # one stays in flight: the edge is not idle
+    for t in [*first[10:], late]:
         t.release()
-    for _ in range(4):                                   # on time while the limit is in use: + 1 each
-        tickets = [admission.admit(MODEL, 1.0) for _ in range(admission.limit_now())]
+    for _ in range(3):                                   # on time while the limit is in use: + 1 each
+        tickets = [admission.admit(MODEL, 1.0) for _ in range(admission.limit_now() - 1)]
         refusal(admission)
         clock.now += 0.2
         for t in tickets:
             t.first_token()
         for t in tickets:
             t.release()
-    assert admission.limit_now() == 2 * 2 * 2 * 2 * 2    # doubles while the whole limit is in use
-    for _ in range(10):                                  # one at a time: 1 < 32 / 2 in use, no growth
-        admission.admit(MODEL, 1.0).first_token()
-    assert admission.limit_now() == 32
+    assert admission.limit_now() == 4 + 3 + 6 + 12
     stuck = [admission.admit(MODEL, 1.0) for _ in range(20)]
     clock.now += 1.01                                    # past their deadline, still no first token:
     with pytest.raises(OpenAIError):                     # the next arrival sees it, before any token comes,
-        admission.check_room()                           # and is refused: 20 in flight, limit now
-    assert admission.limit_now() == 10                   # min(32, 20 in flight) x 0.5, once
+        admission.check_room()                           # and is refused: 21 in flight, limit now
+    assert admission.limit_now() == 10                   # min(25, 21 in flight) x 0.5, once
     for t in stuck:
         t.first_token()                                  # counted late already: not again
     assert admission.limit_now() == 10
+    for t in [*stuck, kept]:
+        t.release()
+    assert admission.limit_now() == 16                   # nothing in flight: the edge forgets the overload
     assert Admission(AdmissionConfig(adaptive=False, max_active=50)).limit_now() == 50
+    assert Admission(AdmissionConfig(max_active=50)).limit_now() == 50   # open from the start
+
+
+def test_a_first_burst_that_starts_late_lowers_no_limit():
+    """Nothing measured yet: the burst is admitted blind, and a cold server's slow first starts
+    are the ordinary burst, not overload."""
+    clock = Clock()
+    admission = Admission(AdmissionConfig(ttft_slo_multiple=0, initial_active=40), clock=clock)
+    burst = [admission.admit(m, 1.0) for m in (MODEL, OTHER_MODEL) for _ in range(12)]
+    clock.now += 3.0                                     # every one 2 s past its TTFT SLO
+    for t in burst:
+        t.first_token()
+    assert admission.limit_now() == 40
+    assert [admission.admit(MODEL, 1.0) for _ in range(16)]   # 24 + 16 = the whole limit
+
+
+def test_before_anything_is_measured_the_engines_known_speed_predicts_the_start():
+    clock = Clock()
+    rates = {MODEL: 10.0}                                # the cluster starts 10 of MODEL a second
+    admission = Admission(AdmissionConfig(max_waiting=1000, cold_waiting=4), clock=clock, engine_rate=rates.get)
+    queue = [admission.admit(MODEL, 1.0) for _ in range(10)]   # past the cold bound: (9 + 1) / 10 = 1 s
+    assert admission.predicted_ttft_s(MODEL) == pytest.approx(1.1)
+    assert "about 1.1 s" in refusal(admission).message  # (10 + 1) / 10 > 1 x its SLO
+    assert admission.admit(MODEL, 2.0) is not None       # a looser SLO still fits
+    others = [admission.admit(OTHER_MODEL, 1.0) for _ in range(4)]   # nothing known of it: the cold bound
+    assert "4 requests waiting to start and no known start rate yet" in refusal(admission, OTHER_MODEL).message
+    for t in queue[:5]:                                  # a standing queue starts 2 a second: measured wins
+        clock.now += 0.5
+        t.first_token()
+    assert admission.predicted_ttft_s(MODEL) == pytest.approx((6 + 1) / 2)
 
 
 def test_a_client_asking_for_an_impossible_ttft_slo_does_not_lower_the_limit_for_everyone():

@@ -197,3 +197,30 @@ def test_idle_stretches_are_skipped_and_times_stay_on_the_workload_clock():
     assert sends[1] - sends[0] == pytest.approx(0.05, abs=0.04)
     with pytest.raises(ValueError, match="idle_skip_s"):
         asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.0))
+
+
+def test_a_refused_request_is_sent_again_after_retry_after_and_counted_apart():
+    """Against the real HTTP edge (a fake engine behind it) whose admission lets one request of
+    the model wait at a time: sent at once, the others are refused with a 429; honoured as the
+    openai SDK does, the retries bring every one in; without retries they end refused, not failed."""
+    from deploy.openai_api.admission import AdmissionConfig
+    from deploy.openai_api.config import IngressConfig
+    from edge_helpers import MAX_TOKENS_CAP, MODEL, make_engine, running_server
+
+    engine = make_engine(tokens_per_frame=1, frame_interval_s=0.3)
+    config = IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16,
+                           admission=AdmissionConfig(max_waiting=1, ttft_slo_multiple=0))
+    burst = Workload(tuple(TraceRequest(0.0, MODEL, 4, 2) for _ in range(3)))
+
+    async def drive(base_url, max_retries):
+        async with OpenAIHTTPTarget(base_url) as target:
+            return await run(target, burst, max_retries=max_retries)
+
+    with running_server(engine, config) as base_url:
+        retried = asyncio.run(drive(base_url, max_retries=4))
+        once = asyncio.run(drive(base_url, max_retries=0))
+    assert all(r.ok and r.num_output_tokens == 2 and not r.refused for r in retried)
+    assert sorted(r.num_retries for r in retried)[0] == 0 and sum(r.num_retries for r in retried) >= 2
+    refused = [r for r in once if not r.ok]
+    assert len(refused) == 2 and all(r.refused and r.num_retries == 0 for r in refused)
+    assert all(r.error.startswith("Refused: HTTP 429") for r in refused)

@@ -43,6 +43,17 @@ def test_host_cache_of_the_node_counts_for_every_worker_on_it():
     assert policy.pick("a", views, SLO(), plan_of({"a": ["w0", "w1"]})) == "w1"
 
 
+def test_start_rate_adds_up_the_workers_that_prefill_the_model_at_their_known_speed():
+    policy = RoutingPolicy(RoutingConfig(default_step_s=0.05))
+    views = [view("w0", step_time_s=0.01), view("w1"),                # 100 + 20 (no step measured yet) a second
+             view("w2", role="decode", step_time_s=0.01),              # decodes only: starts nothing
+             view("w3", step_time_s=0.01, alive=False),                # dead
+             view("w4", registered=("b",), step_time_s=0.01)]          # holds another model
+    assert policy.start_rate("a", views) == pytest.approx(120.0)
+    assert policy.start_rate("a", [views[2]]) == pytest.approx(100.0)  # only decoders: they prefill too
+    assert policy.start_rate("c", views) == 0.0
+
+
 def test_only_workers_in_the_plan_are_candidates():
     policy = RoutingPolicy()
     views = [view("w0", resident=("a",)), view("w1")]

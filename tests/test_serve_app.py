@@ -44,6 +44,34 @@ def _body(model="llama-a", **kw):
             "ignore_eos": True, **kw}
 
 
+def test_a_fresh_server_serves_an_ordinary_burst_without_a_429(url):
+    """The first thing a user sends: 24 completions at once through the openai SDK with its
+    default settings. Every one completes, and the server refuses none (not even one the SDK
+    would have retried unseen). Runs first: the server is fresh."""
+    import asyncio
+
+    import openai
+
+    refused = []
+
+    async def count_429(response: httpx.Response) -> None:
+        if response.status_code == 429:
+            refused.append(response.headers.get("retry-after"))
+
+    async def burst() -> list:
+        async with httpx.AsyncClient(event_hooks={"response": [count_429]}, timeout=120) as http:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", http_client=http)
+            return await asyncio.gather(*(
+                client.completions.create(model=model, prompt=f"Request {i}: the quick brown fox", max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+                for model in sorted(MODELS) for i in range(12)))
+
+    done = asyncio.run(burst())
+    assert refused == []
+    assert [c.usage.completion_tokens for c in done] == [8] * 24
+    assert all(c.choices[0].finish_reason == "length" and c.choices[0].text for c in done)
+
+
 def test_models_and_a_completion_over_http(url):
     models = httpx.get(f"{url}/v1/models", timeout=30).json()
     assert sorted(m["id"] for m in models["data"]) == sorted(MODELS)

@@ -61,6 +61,8 @@ class RequestRecord:
     error: str | None = None
     worker_id: str | None = None
     server_token_times: list[float] = field(default_factory=list)  # the worker's stamps (diagnostic)
+    num_retries: int = 0     # sent again after a refusal (429), each after its Retry-After
+    refused: bool = False    # still refused (429) after the retries: the error says so
 
     @property
     def ok(self) -> bool:

@@ -154,7 +154,7 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     from load_tests.bench.cluster_bench import add_arguments as add_cluster_arguments   # stdlib at import
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate,sim,chaos}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate,sim,chaos,first-use}", required=True)
     engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
@@ -180,6 +180,12 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 
     add_chaos_arguments(chaos)
     chaos.set_defaults(run=_bench_chaos)
+    first_use = sub.add_parser("first-use", help="what a new user sends first, against fresh servers: concurrent "
+                                                 "streams and openai SDK completions (prints JSON, --json FILE)")
+    from load_tests.bench.first_use import add_arguments as add_first_use_arguments   # stdlib at import
+
+    add_first_use_arguments(first_use)
+    first_use.set_defaults(run=_bench_first_use)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -202,6 +208,12 @@ def _bench_sim(args: argparse.Namespace) -> int:
 
 def _bench_chaos(args: argparse.Namespace) -> int:
     from load_tests.bench.chaos import run
+
+    return run(args)
+
+
+def _bench_first_use(args: argparse.Namespace) -> int:
+    from load_tests.bench.first_use import run
 
     return run(args)
 
@@ -257,7 +269,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
               _serve_parser),
     "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
     "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
-    "bench": ("benchmarks (engine, cluster, colocate, sim, chaos)", _bench_parser),
+    "bench": ("benchmarks (engine, cluster, colocate, sim, chaos, first-use)", _bench_parser),
     "metrics": ("Prometheus scrape config over Ray's service discovery; the metric names", _metrics_parser),
     "dashboard": ("build the Grafana dashboards, or push them to a Grafana", _dashboard_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),

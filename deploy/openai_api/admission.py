@@ -1,40 +1,41 @@
-"""Admission control at the HTTP edge: refuse (429) what could not start in time, and
-never drop what was accepted.
+"""Admission control at the HTTP edge: serve the bursts users send, refuse (429) only real
+overload, and never drop what was accepted. The whole policy and its knobs are here.
 
-Per model, the edge counts the requests it accepted that have not had their first token
-yet (`waiting`), and in all the requests it is serving (`active`). A new request is refused
-when
-- its model already has `max_waiting` requests waiting, or the edge serves `max_active`
-  (memory stays bounded whatever the load), or
-- its predicted TTFT, (waiting + 1) / the model's first-token rate, exceeds
-  `ttft_slo_multiple` x its own TTFT SLO (default 1: what is predicted to miss its SLO is
-  refused; the prediction misses when overload slows the cluster, and a margin of 2 was used
-  up at once: the chaos bench's accepted requests then waited 3-12x their SLO).
-The first-token rate is measured only while a queue stands (between two first tokens with
-requests waiting throughout): that is what the cluster delivers when busy. At light load
-nothing waits, so nothing is predicted. Until a model's rate has been measured, at most
-`cold_waiting` of its requests wait: a burst that comes first (a server just started, a model
-idle until now) would otherwise be admitted up to `max_waiting` with no idea how fast it
-drains (the chaos bench's 10x burst was: accepted requests then waited 12x their TTFT SLO).
-The queue the cold bound lets form is what measures the rate.
+A request is refused, with a 429 in OpenAI's shape and `Retry-After` (the openai SDK retries it
+on its own), in three cases, and in no other:
 
-How many requests the edge serves at once is also limited adaptively (AIMD, as TCP and
-concurrency limiters do): the limit starts at `initial_active`, halves
-(`limit_decrease`) when a request admitted under it gets its first token later than its
-TTFT SLO (counted from when the edge began reading it), once per such request, and grows
-by one with each request that started on time while at least half of it was in use.
-The prediction above sees only the engines' queues; this sees what the edge itself costs.
-On a small host the edge is what saturates first: at 10x overload on 2 cores the accepted
-streams' own HTTP work slowed every stream, so requests already accepted held their
-places for seconds, the edge reached Serve's max_ongoing_requests, and new requests
-queued in Serve's proxy before any of this code saw them (TTFT p99 8-18 s against a 2 s
-SLO, the first token soon after admission).
+1. Memory bounds. The edge serves at most `max_active` requests at once (all models), and at
+   most `max_waiting` of one model wait for their first token. The Serve app sets max_active
+   to its max_ongoing_requests less a few places (deploy/serve_app/app.py).
+2. The cluster cannot start it in time. Its predicted TTFT, (waiting + 1) / the model's start
+   rate, exceeds `ttft_slo_multiple` x its TTFT SLO (0 turns this off). The start rate is what
+   the cluster is known to do:
+   - measured at this edge: first tokens per second while a queue of the model stood (between
+     two first tokens with requests waiting throughout; an idle server is never taken for a
+     slow one), the lower of the last `rate_window` intervals' rate and the last 16's, so a
+     cluster that slows under overload is seen at once;
+   - until then, the engines' speed (`engine_rate(model)`, injected: the Serve app gives the
+     router's view, scheduler/routing.py `start_rate`, from the step times the workers report),
+     so a fresh server is not blind and takes an ordinary burst;
+   - with neither (an engine that reports nothing), at most `cold_waiting` of the model wait.
+3. The edge itself is overloaded (adaptive, AIMD as in TCP): the limit on requests in flight
+   starts at `initial_active` (default max_active) and is cut to `limit_decrease` x the
+   requests in flight when a request admitted on a *measured* start rate gets its first token
+   later than its TTFT SLO (counted from when the edge began reading it; once per limit): the
+   prediction said it would start in time, and the cluster or the edge did not keep it. It
+   grows by one per request started on time while at least half of it is in use, never goes
+   below `min_active`, and returns to its start when the edge has nothing in flight: an idle
+   edge has no overload to remember. Late starts of requests admitted blind (a first burst, a
+   cold server's first forwards and tokenizer loads) lower nothing: they are the ordinary
+   burst, not overload. On a small host the edge's own HTTP work saturates first at 10x
+   overload (`tokenmux bench chaos`): accepted streams slowed every stream and the accepted
+   TTFT p99 reached 4-18x the SLO before this limit, 1.1-1.3x with it.
 
-A refusal is a 429 in OpenAI's shape with `Retry-After` (seconds until the queue ahead is
-predicted to be short enough, at least 1): the openai SDK retries it on its own. Counts are
-per ingress replica (with R replicas the bounds are R times larger), kept on its event loop.
-A `Ticket` follows one accepted request; `release()` (also on garbage collection, for a
-stream whose body never ran) returns its place.
+A full edge refuses before it reads the body, and admission is asked again before tokenising,
+so a refusal costs no tokenising. Counts are per ingress replica (with R replicas the bounds are
+R times larger), kept on its event loop. A `Ticket` follows one accepted request; `release()`
+(also on garbage collection, for a stream whose body never ran) returns its place. Accepted
+requests are never dropped later.
 """
 from __future__ import annotations
 
@@ -56,15 +57,17 @@ class AdmissionConfig:
     max_active: int = 1024          # all models: accepted and not finished
     ttft_slo_multiple: float = 1.0  # refuse when predicted TTFT > this x the TTFT SLO; 0 = never predict
     rate_window: int = 64           # first-token intervals the rate is measured over
-    cold_waiting: int = 16          # per model, until its first-token rate is measured (see above)
+    cold_waiting: int = 16          # per model, while neither a measured nor an engine start rate is known
     adaptive: bool = True           # the AIMD limit on requests in flight (see above); False: max_active only
-    initial_active: int = 64        # the adaptive limit at start (at most max_active)
+    initial_active: int | None = None   # the adaptive limit at start and when idle (None: max_active)
     min_active: int = 4             # the adaptive limit never goes below this
     limit_decrease: float = 0.5     # the adaptive limit's factor at a late first token
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_active", "rate_window", "cold_waiting", "initial_active", "min_active"):
             value = getattr(self, name)
+            if name == "initial_active" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if check_real("ttft_slo_multiple", self.ttft_slo_multiple) < 0:
@@ -115,15 +118,21 @@ class _ModelQueue:
 
 
 class Admission:
-    def __init__(self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 engine_rate: Callable[[str], float | None] | None = None) -> None:
+        """engine_rate(model): requests of the model the cluster starts per second at its engines'
+        known speed, or None when it does not know (see the module's docstring)."""
         self.config = config or AdmissionConfig()
         self.clock = clock
+        self.engine_rate = engine_rate
         self.active = 0
         self.rejected = 0
         self._queues: dict[str, _ModelQueue] = {}
         c = self.config
         # the adaptive limit on self.active, and when it was last lowered
-        self.limit = float(min(c.initial_active, c.max_active) if c.adaptive else c.max_active)
+        self.initial_limit = float(min(c.initial_active or c.max_active, c.max_active) if c.adaptive
+                                   else c.max_active)
+        self.limit = self.initial_limit
         self._lowered_at = -math.inf
         self._deadlines: list[tuple[float, int, Ticket]] = []   # accepted, by first-token deadline
         self._seq = itertools.count()
@@ -139,7 +148,7 @@ class Admission:
             heapq.heappop(self._deadlines)
             if ticket.waiting:
                 ticket.late = True
-                self.started(True, ticket.admitted_at)
+                self.started(True, ticket)
 
     def limit_now(self) -> int:
         """Requests in flight this edge takes now (the adaptive limit, within max_active)."""
@@ -157,29 +166,44 @@ class Admission:
         why = "" if limit >= self.config.max_active else " (lowered while recent requests started late)"
         return overloaded(f"the server is at its limit of {limit} requests in flight{why}", 1.0)
 
-    def started(self, late: bool, admitted_at: float) -> None:
+    def started(self, late: bool, ticket: "Ticket") -> None:
         """A request's first token came, `late` or not (against its TTFT SLO from arrival): the
-        adaptive limit halves at the first late one admitted under the current limit, and grows
-        by one for one on time while at least half of it is in use."""
+        adaptive limit is cut at the first late one admitted on a measured start rate under the
+        current limit, and grows by one for one on time while at least half of it is in use."""
         c = self.config
         if not c.adaptive:
             return
         if late:
-            if admitted_at >= self._lowered_at:
+            if ticket.predicted and ticket.admitted_at >= self._lowered_at:
                 self.limit = max(float(c.min_active), min(self.limit, self.active) * c.limit_decrease)
                 self._lowered_at = self.clock()
         elif 2 * self.active >= self.limit:   # in use: a limit twice what is used grows no more
             self.limit = min(float(c.max_active), self.limit + 1)
 
+    def released(self) -> None:
+        """A request ended: an edge with nothing in flight forgets the overload it saw."""
+        self.active -= 1
+        if self.active == 0:
+            self.limit = max(self.limit, self.initial_limit)
+
     def waiting(self, model: str) -> int:
         q = self._queues.get(model)
         return 0 if q is None else q.waiting
 
+    def start_rate(self, model: str, q: "_ModelQueue | None" = None) -> tuple[float | None, bool]:
+        """(requests of `model` started per second, whether measured here); (None, False) when
+        neither this edge nor the engines know."""
+        q = q or self._queues.get(model)
+        measured = None if q is None else q.rate()
+        if measured is not None:
+            return measured, True
+        known = self.engine_rate(model) if self.engine_rate is not None else None
+        return (known, False) if known else (None, False)
+
     def predicted_ttft_s(self, model: str) -> float | None:
         """Predicted TTFT of a request for `model` accepted now; None when there is no estimate."""
-        q = self._queues.get(model)
-        rate = None if q is None else q.rate()
-        return None if rate is None else (q.waiting + 1) / rate
+        rate, _ = self.start_rate(model)
+        return None if rate is None else (self.waiting(model) + 1) / rate
 
     def check(self, model: str, ttft_slo_s: float) -> None:
         """Raise the 429 that `admit` would raise now, taking nothing: the ingress asks before it
@@ -195,20 +219,21 @@ class Admission:
         late_after_s: how long after it its first token is late (default its TTFT SLO; the ingress
         gives the larger of it and the server's, so a client asking for 1 ms lowers no limit)."""
         q = self._queues.setdefault(model, _ModelQueue(self.config.rate_window))
-        self._refuse_if_full(model, ttft_slo_s, q)
+        predicted = self._refuse_if_full(model, ttft_slo_s, q)
         q.waiting += 1
         self.active += 1
         now = self.clock()
         late_after_s = ttft_slo_s if late_after_s is None else late_after_s
-        ticket = Ticket(self, q, (now if arrived_at is None else arrived_at) + late_after_s, now)
+        ticket = Ticket(self, q, (now if arrived_at is None else arrived_at) + late_after_s, now, predicted)
         if self.config.adaptive:
             heapq.heappush(self._deadlines, (ticket.deadline, next(self._seq), ticket))
         return ticket
 
-    def _refuse_if_full(self, model: str, ttft_slo_s: float, q: "_ModelQueue") -> None:
+    def _refuse_if_full(self, model: str, ttft_slo_s: float, q: "_ModelQueue") -> bool:
+        """Raise the 429 for `model` now; else whether the decision rested on a measured start rate."""
         c = self.config
         self.check_room()
-        rate = q.rate()
+        rate, measured = self.start_rate(model, q)
         drain_s = (lambda n: n / rate) if rate else (lambda n: 1.0)
         if q.waiting >= c.max_waiting:
             self.rejected += 1
@@ -216,7 +241,7 @@ class Admission:
                              drain_s(q.waiting - c.max_waiting + 1))
         if rate is None and c.ttft_slo_multiple > 0 and q.waiting >= min(c.cold_waiting, c.max_waiting):
             self.rejected += 1
-            raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start and no measured start "
+            raise overloaded(f"model '{model}' has {q.waiting} requests waiting to start and no known start "
                              "rate yet", 1.0)
         predicted = (q.waiting + 1) / rate if rate else None
         allowed = c.ttft_slo_multiple * ttft_slo_s
@@ -224,16 +249,19 @@ class Admission:
             self.rejected += 1
             raise overloaded(f"model '{model}' would start this request in about {predicted:.1f} s, over "
                              f"{c.ttft_slo_multiple:g} x its TTFT SLO of {ttft_slo_s:g} s", predicted - allowed)
+        return measured
 
 
 class Ticket:
     """One accepted request's place: `first_token()` when output starts, `release()` at the end."""
 
-    def __init__(self, admission: Admission, queue: _ModelQueue, deadline: float, admitted_at: float) -> None:
+    def __init__(self, admission: Admission, queue: _ModelQueue, deadline: float, admitted_at: float,
+                 predicted: bool = False) -> None:
         self._admission = admission
         self._queue = queue
         self.deadline = deadline          # the first token is late after this (admission's clock)
         self.admitted_at = admitted_at
+        self.predicted = predicted        # admitted on a start rate measured here (see Admission.started)
         self.late = False                 # counted late already (its deadline passed while it waited)
         self._started = False
         self._released = False
@@ -248,7 +276,7 @@ class Ticket:
             now = self._admission.clock()
             self._queue.first_token(now)
             if not self.late:
-                self._admission.started(now > self.deadline, self.admitted_at)
+                self._admission.started(now > self.deadline, self)
 
     def release(self) -> None:
         if self._released:
@@ -256,7 +284,7 @@ class Ticket:
         self._released = True
         if not self._started:
             self._queue.left_waiting()
-        self._admission.active -= 1
+        self._admission.released()
 
     def __del__(self) -> None:
         self.release()

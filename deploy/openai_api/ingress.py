@@ -50,7 +50,8 @@ class OpenAIIngress:
     def __init__(self, engine: EngineClient, config: IngressConfig | None = None) -> None:
         self.engine = engine
         self.config = config or IngressConfig()
-        self.admission = Admission(self.config.admission)
+        # An engine that knows its workers' speed (the cluster's) tells admission how fast it starts requests.
+        self.admission = Admission(self.config.admission, engine_rate=getattr(engine, "start_rate", None))
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]

@@ -134,6 +134,7 @@ class TokenmuxIngress:
                                     api_keys=api_keys(self.args),
                                     admission=admission_config(self.args),
                                     stall_timeout_s=self.args.stall_timeout_s)
+        await self.engine.read_workers()   # admission knows the engines' speed before the first request
         self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
         self.core = self._openai_app.state.ingress
         freeze_heap()   # the edge streams every token: no long collector pauses (actors/heap.py)

@@ -91,10 +91,16 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0, description="CPUs Ray reserves per ingress replica")
-    max_ongoing_requests: int = Field(256, ge=1, description="per ingress replica (Serve's default is 5)")
-    max_queued_requests: int = Field(1, ge=-1, description="per ingress replica: requests Serve's proxy holds "
-                                                        "beyond max_ongoing_requests, unseen by admission; "
-                                                        "more get a 429 there (-1: no bound)")
+    max_ongoing_requests: int = Field(512, ge=1, description="per ingress replica (Serve's default is 5); "
+                                      "admission serves this less a few places at once")
+    # Serve counts a request as queued from its arrival until it is assigned to a replica, however
+    # free the replica is: with a bound of 1, requests sent at once were refused by the proxy
+    # (Ray's router.py says so), 2-5 of a 24-48 request burst on a fresh server; with 64, 99 of
+    # 300 streams sent at once. As large as max_ongoing_requests: a burst the edge takes passes.
+    max_queued_requests: int = Field(512, ge=-1, description="per ingress replica: requests Serve's proxy holds "
+                                                         "beyond max_ongoing_requests or while it assigns "
+                                                         "them, unseen by admission; more get a 429 there "
+                                                         "(-1: no bound)")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
     api_keys: list[str] = Field(default_factory=list, description="HTTP API keys, or sha256:<hex> digests of them")
     require_api_key: bool = Field(False, description="refuse to start unless api_keys or $TOKENMUX_API_KEYS "

@@ -38,8 +38,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from actors.frame_stream import FrameStream, stream_frames
 from actors.output_stream import TextAssembler
 from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
-from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame
-from scheduler.routing import NoWorkerError
+from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame, RouterStatus
+from scheduler.routing import NoWorkerError, RoutingPolicy
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 ROUTER_RECOVERY_S = 15.0
 ROUTER_RETRY_S = 0.2
+CAPACITY_REFRESH_S = 2.0   # how often the router's view of the workers is read for admission
 
 
 def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
@@ -82,6 +83,9 @@ class ClusterEngineClient:
         self._releases: set[asyncio.Task] = set()   # router releases in flight (held until done)
         self.num_redispatched = 0   # sent again before their first token
         self.num_resumed = 0        # continued on another worker after tokens were sent
+        self._workers: RouterStatus | None = None    # the router's latest view, for start_rate
+        self._workers_read_at = float("-inf")
+        self._workers_reading: asyncio.Task | None = None
 
     def models(self) -> list[ModelInfo]:
         return list(self._models.values())
@@ -98,6 +102,29 @@ class ClusterEngineClient:
         if model not in self._models:
             return None
         return self._tokenizers.loaded(model) or await asyncio.to_thread(self.tokenizer, model)
+
+    def start_rate(self, model: str) -> float | None:
+        """Requests of `model` the cluster starts per second when they queue, at the speed its
+        workers report (RoutingPolicy.start_rate over the router's view); None until the router
+        has answered, or when no live worker holds the model. Never waits: the edge asks it for
+        each request, and the view is read again in the background every CAPACITY_REFRESH_S."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._workers_read_at >= CAPACITY_REFRESH_S and self._workers_reading is None:
+            self._workers_reading = loop.create_task(self.read_workers(), context=contextvars.Context())
+        status = self._workers
+        rate = None if status is None else RoutingPolicy().start_rate(model, status.workers.values())
+        return rate or None
+
+    async def read_workers(self, timeout_s: float = 5.0) -> None:
+        """Read the router's view of the workers now (start_rate's); a router that does not answer
+        leaves the last view."""
+        try:
+            self._workers = await asyncio.wait_for(self._router_call("status"), timeout_s)
+        except Exception as exc:
+            logger.info("reading the workers' speed from the router failed: %s", _cause(exc))
+        finally:
+            self._workers_read_at = asyncio.get_running_loop().time()
+            self._workers_reading = None
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -276,9 +276,9 @@ def _inflight(status) -> tuple[int, list[str]]:
 def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dict:
     rate = OVERLOAD_FACTOR * capacity_rps
     batch = bodies(max(1, int(rate * duration_s)), seed + 7)
-    rss_before = _rss_mb()
+    rss_before = rss_mb()
     outcomes, client = run_open_loop(url, batch, rate)   # its own process: the client keeps to the schedule
-    rss_after = _rss_mb()
+    rss_after = rss_mb()
     accepted = [o for o in outcomes if o.status != 429]
     done = [o for o in accepted if o.ok]
     # TTFT of the accepted streams: send -> the worker made the first token (same clock, this host), and
@@ -307,15 +307,15 @@ def overload(url: str, capacity_rps: float, duration_s: float, seed: int) -> dic
             "overload_rss_growth_frac": growth}
 
 
-def _rss_mb() -> dict[str, float]:
+def rss_mb(app: str = APP) -> dict[str, float]:
     """RSS of each DeviceWorker and the ingress replicas of the app, in MiB (from /proc)."""
     from deploy.app_handles import cluster_status
 
-    pids = {w: s.pid for w, s in cluster_status(APP).alive().items()}
+    pids = {w: s.pid for w, s in cluster_status(app).alive().items()}
     for entry in os.listdir("/proc"):   # the ingress replicas: Ray titles them ServeReplica:<app>:<deployment>
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if f"ServeReplica:{APP}:TokenmuxIngress".encode() in f.read():
+                if f"ServeReplica:{app}:TokenmuxIngress".encode() in f.read():
                     pids[f"ingress-{entry}"] = int(entry)
         except (OSError, ValueError):
             continue
@@ -338,10 +338,11 @@ def edges(url: str, fuzz_examples: int, seed: int) -> dict:
     return {**fuzz, **poison}
 
 
-def floors(results: dict) -> dict:
+def floors(results: dict, table: dict | None = None) -> dict:
+    """Each floor of `table` (default FLOORS) that `results` has: its bound and whether it is met."""
     checks = {"==": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b}
     return {k: {"floor": f"{op} {bound}", "met": results.get(k) is not None and checks[op](results[k], bound)}
-            for k, (op, bound) in FLOORS.items() if k in results}
+            for k, (op, bound) in (table or FLOORS).items() if k in results}
 
 
 def run_scenarios(url: str, n: int, overload_s: float, fuzz_examples: int, seed: int = 0,
