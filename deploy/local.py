@@ -25,6 +25,9 @@ DEFAULT_PORT = 8000
 DEFAULT_HOST = "127.0.0.1"
 POLL_S = 0.5
 
+# The embedded default of a bare `tokenmux serve`: zoo models trained to write words.
+DEFAULT_MODELS = {"llama-prose": ZOO_PREFIX + "llama-prose", "qwen2-prose": ZOO_PREFIX + "qwen2-prose"}
+
 
 # ---- building blocks ------------------------------------------------------------------
 

@@ -18,16 +18,13 @@ import time
 from typing import TYPE_CHECKING
 
 from deploy.cli.commands import load_config_args, load_http_options
-from deploy.local import DEFAULT_HOST, DEFAULT_PORT, _parse_args, deploy, parse_models, undeploy
-from deploy.serve_app.app_args import ZOO_PREFIX  # light: pydantic, no ray or torch
+from deploy.local import DEFAULT_HOST, DEFAULT_MODELS, DEFAULT_PORT, _parse_args, deploy, parse_models, undeploy
 from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
 if TYPE_CHECKING:
     from deploy.serve_app.app_args import AppArgs
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# The embedded default of a bare `tokenmux serve`: zoo models trained to write words.
-DEFAULT_MODELS = {"llama-prose": ZOO_PREFIX + "llama-prose", "qwen2-prose": ZOO_PREFIX + "qwen2-prose"}
 
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:

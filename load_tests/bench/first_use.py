@@ -150,14 +150,14 @@ class PeakRSS:
 
 
 def _serve(models):
-    from deploy.cli.commands import run_local
+    from deploy.local import run_local
     from load_tests.bench.chaos import free_port
 
     return run_local(models, port=free_port(), host="127.0.0.1", app_name=APP)
 
 
 def bare_streams() -> dict:
-    from deploy.cli.serve_command import DEFAULT_MODELS
+    from deploy.local import DEFAULT_MODELS
 
     with _serve(dict(DEFAULT_MODELS)) as url:
         r = asyncio.run(_streams(url, sorted(DEFAULT_MODELS), 12, 200))
@@ -165,7 +165,7 @@ def bare_streams() -> dict:
 
 
 def bare_many_streams() -> dict:
-    from deploy.cli.serve_command import DEFAULT_MODELS
+    from deploy.local import DEFAULT_MODELS
 
     with _serve(dict(DEFAULT_MODELS)) as url:
         with PeakRSS(APP) as rss:

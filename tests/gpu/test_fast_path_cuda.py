@@ -40,3 +40,14 @@ def test_cuda_graph_decode_matches_the_reference_path():
     assert sum(m.runner.graphs.num_replays for m in engine.models.values()) > 0
     same = sum(ref[k] == fast[k] for k in ref)
     assert same >= len(ref) - 1, f"only {same}/{len(ref)} requests kept their greedy tokens"
+
+
+def test_auto_takes_the_fast_path_after_its_check_on_this_gpu():
+    """Serving's default (kernels="auto"): the check of actors/kernel_check.py passes on this
+    device, so an engine runs the fast path, with no warning for `tokenmux status`."""
+    from actors import kernel_check
+
+    assert kernel_check.compare_paths(torch.device("cuda")) == []
+    engine = Engine(EngineConfig(device="cuda", budget_bytes=64 * MiB + 2 * 32 * MiB, kv_bytes=64 * MiB, num_slots=2,
+                                 slab_bytes=1 * MiB, host_kv_bytes=0))
+    assert engine.kernels == "fast" and engine.stats().kernel_warning == ""
