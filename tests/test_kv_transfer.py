@@ -297,3 +297,17 @@ def test_block_copy_methods_are_bit_exact_and_touch_only_their_blocks(method, sr
             assert as_bytes(dst[d]) == as_bytes(src[s])
         others = [i for i in range(10) if i not in dst_ids]
         assert as_bytes(dst[others]) == as_bytes(before[others])
+
+
+def test_block_pointers_are_the_blocks_own_addresses():
+    """What a CUDA IPC export sends as offsets (kv_transports.base.block_pointers), checked on a
+    CPU against each block's own data_ptr: a pool's scattered blocks, a strided view of slabs,
+    and a plain run of blocks."""
+    from actors.kv_transports.base import block_pointers
+    desc = descriptor(block_ids=(1, 2), num_tokens=32)
+    pool = random_blocks(desc, 12, seed=4)
+    assert block_pointers(pool, (9, 2, 5)) == [pool[i].data_ptr() for i in (9, 2, 5)]
+    slabs = pool.view(3, 4, *desc.block_shape)[:, 1:3].reshape(-1, *desc.block_shape)   # a copy: reshape of a gap
+    assert block_pointers(slabs, None) == [b.data_ptr() for b in slabs]
+    every_other = pool[::2]   # a view with a stride of two blocks
+    assert block_pointers(every_other, (0, 3, 5)) == [every_other[i].data_ptr() for i in (0, 3, 5)]

@@ -206,6 +206,15 @@ def check_blocks(kv: torch.Tensor, desc: KVDescriptor, from_pool: bool,
         raise ValueError("each KV block must be contiguous (layout [n, L, 2, 16, H, D])")
 
 
+def block_pointers(kv: torch.Tensor, block_ids: tuple[int, ...] | list[int] | None) -> list[int]:
+    """The address of each block of `kv` `[n, L, 2, 16, H, D]` (those `block_ids` of a pool, or
+    all of them in order), from its base and block stride: no tensor per block (an export of
+    128 blocks spent ~0.5 ms making and reading 128 views)."""
+    stride = kv.stride(0) * kv.element_size()
+    ids = range(kv.shape[0]) if block_ids is None else block_ids
+    return [kv.data_ptr() + i * stride for i in ids]
+
+
 def destination(desc: KVDescriptor, out: torch.Tensor | None,
                 dst_block_ids: list[int] | None, device: torch.device | str = "cpu") -> torch.Tensor:
     """Validate (or allocate) the tensor import_ writes into."""

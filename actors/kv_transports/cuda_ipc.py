@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from actors.kv_transports.base import KVDescriptor, KVTransferError, KVTransport, check_blocks, copy_from_offsets, copy_into, destination
+from actors.kv_transports.base import (KVDescriptor, KVTransferError, KVTransport, block_pointers, check_blocks,
+                                       copy_from_offsets, copy_into, destination, gather_blocks)
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class CudaIPCTransport(KVTransport):
 
         self._cupy = cupy
         self._rt = cupy.cuda.runtime
-        self._exports: dict[str, tuple[int, int, list]] = {}   # request_id -> (event, device, block views)
+        self._exports: dict[str, tuple] = {}   # request_id -> (event, device, kept tensor, its block ids or None)
         self._opened: dict[bytes, int] = {}                            # receiver: handle -> mapped base
         self._streams: dict[int, torch.cuda.Stream] = {}                # receiver: device -> copy stream
 
@@ -84,12 +85,13 @@ class CudaIPCTransport(KVTransport):
             raise ValueError(f"CUDA IPC exports CUDA tensors, got one on {kv.device}")
         if desc.request_id in self._exports:
             raise ValueError(f"request {desc.request_id!r} is already exported and not released")
-        blocks = [kv[i] for i in desc.block_ids] if from_pool else list(kv)
-        base, size = allocation_range(blocks[0].data_ptr())
-        if not all(base <= b.data_ptr() and b.data_ptr() + desc.block_bytes <= base + size for b in blocks):
+        ptrs = block_pointers(kv, desc.block_ids if from_pool else None)
+        base, size = allocation_range(min(ptrs))
+        if max(ptrs) + desc.block_bytes > base + size:
             # Blocks spread over several allocations: gather them into one, kept until release.
-            kv = torch.stack(blocks)
-            blocks = list(kv)
+            kv = gather_blocks(kv, desc.block_ids) if from_pool else kv.contiguous()
+            from_pool = False
+            ptrs = block_pointers(kv, None)
             base, size = allocation_range(kv.data_ptr())
         device = kv.device.index if kv.device.index is not None else torch.cuda.current_device()
         with self._cupy.cuda.Device(device):
@@ -97,10 +99,11 @@ class CudaIPCTransport(KVTransport):
             event = self._rt.eventCreateWithFlags(_EVENT_DISABLE_TIMING | _EVENT_INTERPROCESS)
             self._rt.eventRecord(event, torch.cuda.current_stream(device).cuda_stream)
             event_handle = self._rt.ipcGetEventHandle(event)
-        self._exports[desc.request_id] = (event, device, blocks)
+        # kept alive until release; the same process reads its blocks from here
+        self._exports[desc.request_id] = (event, device, kv, desc.block_ids if from_pool else None)
         handle = {
             "mem": bytes(mem_handle), "event": bytes(event_handle), "alloc_bytes": size,
-            "offsets": [b.data_ptr() - base for b in blocks], "pid": os.getpid(),
+            "offsets": [p - base for p in ptrs], "pid": os.getpid(),
             "device_uuid": str(torch.cuda.get_device_properties(device).uuid),
         }
         return desc.with_handle(self.name, handle)
@@ -116,8 +119,9 @@ class CudaIPCTransport(KVTransport):
             raise KVTransferError(f"KV handle of request {desc.request_id!r} points outside its allocation")
         if desc.handle.get("pid") == os.getpid() and desc.request_id in self._exports:
             # Sender and receiver in one process: CUDA cannot open its own IPC handle.
-            blocks = self._exports[desc.request_id][2]
-            copy_into(out, torch.stack(blocks).to(out.device), dst_block_ids)
+            _, _, kv, block_ids = self._exports[desc.request_id]
+            copy_into(out, (gather_blocks(kv, block_ids) if block_ids is not None else kv).to(out.device),
+                      dst_block_ids)
             return out
         stream = self._streams.get(device)
         if stream is None:
@@ -139,13 +143,13 @@ class CudaIPCTransport(KVTransport):
     def release(self, desc: KVDescriptor) -> None:
         if desc.request_id not in self._exports:
             raise ValueError(f"request {desc.request_id!r} was not exported by this transport")
-        event, device, _kept = self._exports.pop(desc.request_id)
+        event, device, *_kept = self._exports.pop(desc.request_id)
         with self._cupy.cuda.Device(device):
             self._rt.eventDestroy(event)
 
     def close(self) -> None:
         for request_id in list(self._exports):
-            event, device, _ = self._exports.pop(request_id)
+            event, device, *_ = self._exports.pop(request_id)
             with self._cupy.cuda.Device(device):
                 self._rt.eventDestroy(event)
         for base in self._opened.values():
