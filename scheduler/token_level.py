@@ -6,6 +6,13 @@ requests (one switch amortised over the group); the group may take several steps
 exceeds the prefill token budget. One group per boundary, then the next decode turn, so
 neither TTFT nor TBT can starve the other.
 
+TTFT slack (`SchedulerConfig.ttft_slack`, scheduler/ttft_slack.py). A group of a model that
+has no decode batch (a switch away from the running batches) starts only once a waiting
+group would otherwise miss its TTFT: EDF's latest start of the waiting groups, less what the
+device runs before the policy can act again (a round and a run). Until then the running
+batches keep decoding, as request-level's do; a waiting request of a decoding model still
+joins its batch. When nothing decodes, or at a tight TTFT, the switch is due at once.
+
 Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
 whose predicted time exceeds both a round's prefill budget (what the decoding streams' TBT
 SLOs leave, scheduler/overload.py) and one TBT SLO of theirs is cut to the tokens that fit:
@@ -484,7 +491,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             return self._due[1]
         decoding = [m for m in self.models if self._has_decode_work(m)]
         due = True
-        if decoding:
+        if decoding and self.config.ttft_slack:
             groups = self._pending_groups(set(decoding))
             if groups:
                 run_s = self.config.max_decode_steps * max(self._predict_decode(m) for m in decoding)
