@@ -495,9 +495,19 @@ class TokenLevelPolicy(SchedulingPolicy):
             groups = self._pending_groups(set(decoding))
             if groups:
                 run_s = self.config.max_decode_steps * max(self._predict_decode(m) for m in decoding)
-                due = switch_due(groups, now, self._round_s + run_s)
+                due = switch_due(groups, now, self._round_s + run_s + self._joined_round_s(groups, now))
         self._due = (now, due)
         return due
+
+    def _joined_round_s(self, groups: list[PendingGroup], now: float) -> float:
+        """A round's length once the most urgent group's batch has joined the decoding ones:
+        its tokens' deadlines (arrival + TTFT + k x TBT) hold only if it starts that much
+        before its TTFT deadline, since a round may pass before each of its turns."""
+        first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
+        size = self.config.max_prefill_group
+        loads = [self._load(m, now) for m in self.models if self._has_decode_work(m)]
+        loads.append(self._load(first, now, extra=list(self.waiting[first])[:size]))
+        return plan_round(loads, self._rule()).decode_s
 
     def _pending_groups(self, decoding: set[str]) -> list[PendingGroup]:
         """The waiting requests of models not decoding, in the groups they would be prefilled in."""

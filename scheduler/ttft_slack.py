@@ -19,10 +19,14 @@ device), group k's first token comes at start + sum_{j<=k} c_j; every deadline i
 
 S is the latest start of the whole backlog. The policy only decides at turn boundaries, and
 once it has decided the device runs at most a round of the current batches (the round's
-switches and quotas, T0 of scheduler/overload.py) and a multi-step run before it can act, so
-the switch is due when
+switches and quotas, T0 of scheduler/overload.py) and a multi-step run before it can act.
+And a first token on its deadline is not enough: token k is due by arrival + TTFT + k x TBT
+(Aegaeon's per-token measure), and once the group's batch joins, a round T1 (the rounds with
+it) may pass before each of its turns, so it must start a round early. The switch is due when
 
-    now + margin >= S,   margin = T0 + one run
+    now + margin >= S,   margin = T0 + one run + T1
+
+(Without T1 the planner's strict attainment fell: synth-16-0.1-1.0-1.0 needed 4 H100s, not 3.)
 
 Predicted costs are doubled (`SAFETY`): an estimate that misses by 2x costs one request its
 TTFT, while waiting a little less costs the running batches only a slightly earlier switch.

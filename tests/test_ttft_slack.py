@@ -78,7 +78,9 @@ def test_the_running_batch_keeps_the_device_until_a_deadline_nears_and_every_ttf
     if first_switch is not None:
         now, waiting = first_switch
         costs = sum(SAFETY * (0.005 + 1e-4 * r.num_prompt_tokens) for r in waiting)
-        margin = 4 * STEP + 8 * STEP
+        # a round of a alone (4 steps), a run (8), and the round once the group joins (two
+        # turns of at most a run each): its tokens' deadlines need that much before its TTFT's
+        margin = 4 * STEP + 8 * STEP + 2 * 8 * STEP
         assert min(r.arrival_time + r.slo.ttft_s for r in waiting) - now <= margin + costs + STEP
 
 
