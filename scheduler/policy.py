@@ -56,6 +56,9 @@ class SchedulerConfig:
     min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
     quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
     overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
+    # token-level: a switch to a model with no decode batch waits while every waiting request can
+    # still make its TTFT (scheduler/ttft_slack.py); False: the quota rule alone (an ablation)
+    ttft_slack: bool = True
     # split a prompt whose prefill exceeds a round's prefill budget while streams decode (token-level)
     chunked_prefill: bool = True
     # token-level, all resident, room to spare (alpha <= 0.5): quotas run in slices round-robin
@@ -77,7 +80,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
         if not 0 < self.admit_alpha <= 1:
             raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1], got {self.admit_alpha!r}")
-        for name in ("overload_control", "chunked_prefill", "smooth_streams"):
+        for name in ("overload_control", "ttft_slack", "chunked_prefill", "smooth_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.turn_overhead_frac is not None and not 0 < self.turn_overhead_frac < 1:

@@ -6,6 +6,13 @@ requests (one switch amortised over the group); the group may take several steps
 exceeds the prefill token budget. One group per boundary, then the next decode turn, so
 neither TTFT nor TBT can starve the other.
 
+TTFT slack (`SchedulerConfig.ttft_slack`, scheduler/ttft_slack.py). A group of a model that
+has no decode batch (a switch away from the running batches) starts only once a waiting
+group would otherwise miss its TTFT: EDF's latest start of the waiting groups, less what the
+device runs before the policy can act again (a round and a run). Until then the running
+batches keep decoding, as request-level's do; a waiting request of a decoding model still
+joins its batch. When nothing decodes, or at a tight TTFT, the switch is due at once.
+
 Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
 whose predicted time exceeds both a round's prefill budget (what the decoding streams' TBT
 SLOs leave, scheduler/overload.py) and one TBT SLO of theirs is cut to the tokens that fit:
@@ -59,6 +66,7 @@ from scheduler.kv_blocks import BLOCK_SIZE
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, admits, plan_round, select_round
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
 from scheduler.request import Request
+from scheduler.ttft_slack import PendingGroup, switch_due
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +117,8 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._reserved: dict[str, list[str]] = {}  # waiting groups the round took in: model -> ids
         self._chunked = False  # the latest output was a chunk of a split prefill
         self.num_held_rounds = 0  # rounds that held at least one batch
+        self._round_s = 0.0  # the latest round's decode time T0 (switches + quotas)
+        self._due: tuple[float, bool] | None = None  # (now, a switch is due then): _switch_due's cache
 
     @property
     def quotas(self) -> dict[str, float]:
@@ -117,6 +127,7 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     def _choose(self, now: float) -> SchedulerOutput | None:
         self._ran_all = self._observe_overhead(now)
+        self._due = None   # arrivals and finished requests since the last call change what is due
         if self._chunked or self._owed:   # a decode turn before the next prefill (see _spacing)
             output = (
                 self._continue_turn(now)
@@ -136,7 +147,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             self._spacing(output, now)
             self._num_outputs += 1
             self._served[output.model] = self._num_outputs
-            output.prefetch_model = self._expected_next(output.model)
+            output.prefetch_model = self._expected_next(output.model, now)
             self._last_step = (now, 0.0, 0, not output.is_prefill)
             self._planned_steps = output.num_steps
         return output
@@ -173,8 +184,9 @@ class TokenLevelPolicy(SchedulingPolicy):
         """The group to prefill next: (model, request ids), or None."""
         if not self._reserved and not any(self.waiting.values()):   # most calls: nothing waits
             return None
+        due = self._switch_due(now)
         if not self._controlled:
-            model = self._oldest_waiting_model()
+            model = self._oldest_waiting_model() if due else self._oldest_joining_model()
             if model is None:
                 return None
             return model, [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
@@ -185,7 +197,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             if ids:
                 return model, self._within_credit(model, ids)
         # by TTFT deadline, those already late last until they are aged (see overload.priority)
-        heads = sorted((q[0] for q in self.waiting.values() if q),
+        heads = sorted((q[0] for m, q in self.waiting.items() if q and (due or self._has_decode_work(m))),
                        key=lambda r: (self._goes_last(r, now), self._ttft_key(r)))
         for head in heads:
             members = self._admissible(head.model, now)
@@ -323,7 +335,8 @@ class TokenLevelPolicy(SchedulingPolicy):
             return self._decode_step(turn.model)
         if math.isinf(turn.deadline):   # a batch alone: a run, unless other work is waiting already
             model = turn.model
-            busy = any(m != model and (self.waiting[m] or self.running[m]) for m in self.models)
+            busy = any(m != model and self.running[m] for m in self.models) or (
+                any(m != model and self.waiting[m] for m in self.models) and self._switch_due(now))
             return self._decode_step(model, 1 if busy else most)
         step = self._predict_decode(turn.model) if step is None else step
         steps = max(1, round((turn.deadline - now) / step)) if step > 0 else 1
@@ -336,13 +349,14 @@ class TokenLevelPolicy(SchedulingPolicy):
         across models without overload control; with it, those the next round can take (a
         request that does not fit may be passed, see the module docstring)."""
         if not self._controlled:
-            return [r.request_id for r in self.waiting[model]] if self._oldest_waiting_model() == model else []
+            first = self._oldest_waiting_model() if self._switch_due(now) else self._oldest_joining_model()
+            return [r.request_id for r in self.waiting[model]] if first == model else []
         return self._admissible(model, now)
 
     def _others_busy(self, model: str, now: float) -> bool:
         if any(m != model and self.running[m] for m in self.models):
             return True
-        waiting = any(m != model and self.waiting[m] for m in self.models)
+        waiting = any(m != model and self.waiting[m] for m in self.models) and self._switch_due(now)
         if not waiting or not self._controlled:
             return waiting
         group = self._next_group(now)
@@ -426,8 +440,9 @@ class TokenLevelPolicy(SchedulingPolicy):
             # waiting requests of models not decoding compete for the round too: a batch that
             # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
             # token is due
+            due = self._switch_due(now)
             groups = {m: list(self.waiting[m])[: self.config.max_prefill_group]
-                      for m in names if self.waiting[m] and m not in models}
+                      for m in names if self.waiting[m] and m not in models and due}
             prospective = [replace(self._load(m, now, extra=g), waiting=True,
                                    aged=any(self._aged(r, now) for r in g)) for m, g in groups.items()]
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
@@ -458,11 +473,62 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._rotation_s = sum(self._slice_s(m, self._quotas[m]) for m in models) if self._spread else math.inf
         self._owed = self._owed & set(models) if self._spread else set()
         self._prefill_cap_s = plan.prefill_budget_s
+        self._round_s = plan.decode_s
+        self._due = None
         self._prefill_rate = 1.0 / plan.alpha - 1.0 if plan.alpha < 1 else 0.0
         self._prefill_credit_s = min(self._prefill_credit_s, self._prefill_cap_s)
         self.last_alpha = plan.alpha
         logger.debug("new round %s held %s reserved %s alpha=%.3f (all: %.3f) quotas=%s", models, self.held,
                      list(self._reserved), plan.alpha, everyone.alpha, plan.quota.quotas_s)
+
+    # -- TTFT slack (scheduler/ttft_slack.py) ---------------------------------------------
+
+    def _switch_due(self, now: float) -> bool:
+        """May a model with no decode batch start one now (a switch away from the running
+        batches)? Always when nothing decodes; else once a waiting group would otherwise miss
+        its TTFT (scheduler/ttft_slack.py)."""
+        if self._due is not None and self._due[0] == now:
+            return self._due[1]
+        decoding = [m for m in self.models if self._has_decode_work(m)]
+        due = True
+        if decoding and self.config.ttft_slack:
+            groups = self._pending_groups(set(decoding))
+            if groups:
+                run_s = self.config.max_decode_steps * max(self._predict_decode(m) for m in decoding)
+                due = switch_due(groups, now, self._round_s + run_s + self._joined_round_s(groups, now))
+        self._due = (now, due)
+        return due
+
+    def _joined_round_s(self, groups: list[PendingGroup], now: float) -> float:
+        """A round's length once the most urgent group's batch has joined the decoding ones:
+        its tokens' deadlines (arrival + TTFT + k x TBT) hold only if it starts that much
+        before its TTFT deadline, since a round may pass before each of its turns."""
+        first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
+        size = self.config.max_prefill_group
+        loads = [self._load(m, now) for m in self.models if self._has_decode_work(m)]
+        loads.append(self._load(first, now, extra=list(self.waiting[first])[:size]))
+        return plan_round(loads, self._rule()).decode_s
+
+    def _pending_groups(self, decoding: set[str]) -> list[PendingGroup]:
+        """The waiting requests of models not decoding, in the groups they would be prefilled in."""
+        size = self.config.max_prefill_group
+        groups = []
+        for model, queue in self.waiting.items():
+            if not queue or model in decoding:
+                continue
+            switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
+            requests = list(queue)
+            for i in range(0, len(requests), size):
+                group = requests[i: i + size]
+                prefill = self.estimator.predict_prefill(model, sum(r.num_new_tokens for r in group), len(group))
+                deadline = min(r.arrival_time + r.slo.ttft_s for r in group)
+                groups.append(PendingGroup(model, deadline, switch + prefill))
+        return groups
+
+    def _oldest_joining_model(self) -> str | None:
+        """The decoding model whose waiting queue head is oldest (a join: no switch)."""
+        heads = [q[0] for m, q in self.waiting.items() if q and self._has_decode_work(m)]
+        return min(heads, key=self._age_key).model if heads else None
 
     # -- predictions ---------------------------------------------------------------------
 
@@ -554,11 +620,11 @@ class TokenLevelPolicy(SchedulingPolicy):
 
     # -- prefetch ------------------------------------------------------------------------
 
-    def _expected_next(self, current: str) -> str | None:
+    def _expected_next(self, current: str, now: float) -> str | None:
         """The model most likely to run after `current`'s turn or group."""
         if self._group is not None and self._group[0] != current:
             return self._group[0]
-        waiting = self._oldest_waiting_model()
+        waiting = self._oldest_waiting_model() if self._switch_due(now) else self._oldest_joining_model()
         if waiting is not None and waiting != current:
             return waiting
         for model in self._round:

@@ -11,7 +11,7 @@ from scheduler.request import RequestStatus
 from dataclasses import replace
 
 from scheduler.overload import BatchLoad, RoundRule, admits, plan_round, prefill_budget, priority, select_round
-from test_scheduler import SHAPE_A, SHAPE_B, FakeEngine, all_free, make_policy
+from test_scheduler import SHAPE_A, SHAPE_B, TIGHT_TTFT, FakeEngine, all_free, make_policy
 
 RULE = RoundRule(quota_max_s=4.0, min_quota_steps=4, switch_factor=8.0)
 
@@ -163,7 +163,8 @@ def test_overloaded_token_level_keeps_admitted_streams_on_time():
     # six models, one long request each, at once: each step is 10 ms and TBT is 50 ms with
     # every model resident, so 4 steps x 6 models = a 60 ms round would make every stream
     # late. With overload control the round takes what fits and the rest wait queued.
-    arrivals = [(0.0, _req(f"r{m}", m, 0.0, max_tokens=40)) for m in "abcdef"]
+    # (a tight TTFT: no slack for a switch to wait on, scheduler/ttft_slack.py)
+    arrivals = [(0.0, _req(f"r{m}", m, 0.0, max_tokens=40, ttft=TIGHT_TTFT)) for m in "abcdef"]
     engine, rounds = _drive(_policy(), arrivals)
     done = {r.request_id: r for out in engine.trace for r in out.requests}
     tpot = {rid: (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for rid, r in done.items()}
@@ -172,7 +173,7 @@ def test_overloaded_token_level_keeps_admitted_streams_on_time():
     assert late_start, "some requests must have waited for room"
     # without it every stream shares the device and every mean TBT is over the SLO
     engine, _ = _drive(_policy(SchedulerConfig(overload_control=False)),
-                       [(0.0, _req(f"r{m}", m, 0.0, max_tokens=40)) for m in "abcdef"])
+                       [(0.0, _req(f"r{m}", m, 0.0, max_tokens=40, ttft=TIGHT_TTFT)) for m in "abcdef"])
     shared = {r.request_id: r for out in engine.trace for r in out.requests}
     assert all((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) > 0.05 for r in shared.values())
     # a stream that started on time keeps its cumulative deadlines (token k by first + k x TBT)
@@ -216,12 +217,14 @@ def test_a_late_request_waits_last_only_until_it_is_aged(monkeypatch, late_age):
     The long streams keep their TBT either way."""
     import scheduler.token_level as token_level
 
-    if late_age is not None:
+    config = SchedulerConfig()
+    if late_age is not None:   # the rule before: no ageing, and no TTFT slack (which spreads the starts)
         monkeypatch.setattr(token_level, "LATE_AGE", late_age)
+        config = SchedulerConfig(ttft_slack=False)
     arrivals = [(0.0, _req(f"long{m}", m, 0.0, max_tokens=300)) for m in "cdef"]
     arrivals += [(0.01 * i, _req(f"a{i}", "a", 0.01 * i, max_tokens=5)) for i in range(300)]
     arrivals += [(0.05, _req("late-b", "b", 0.05, max_tokens=5))]
-    engine, _ = _drive(_policy(), arrivals)
+    engine, _ = _drive(_policy(config), arrivals)
     done = {r.request_id: r for out in engine.trace for r in out.requests}
     ttft = {rid: r.first_token_time - r.arrival_time for rid, r in done.items() if not rid.startswith("long")}
     tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
@@ -270,7 +273,7 @@ def test_a_prompt_longer_than_the_prefill_budget_is_split_with_decode_between(ch
     # b's prompt of 1500 tokens takes 0.155 s. Chunked, no prefill step exceeds the budget and a
     # decodes between the chunks; whole, a waits for all of it.
     arrivals = [(0.0, _req("a0", "a", 0.0, max_tokens=60, tbt=0.04)),
-                (0.05, _req("b0", "b", 0.05, max_tokens=5, prompt=1500, ttft=2.0))]
+                (0.05, _req("b0", "b", 0.05, max_tokens=5, prompt=1500, ttft=0.3))]
     engine, _ = _drive(_policy(SchedulerConfig(chunked_prefill=chunked), models="ab"), arrivals)
     steps = _prefill_steps(engine, "b")
     b0 = engine.trace[steps[0][0]].requests[0]
