@@ -1,4 +1,5 @@
-"""The published side-by-side run: one command, every figure the README's load-test table shows.
+"""The published side-by-side run: one command, every figure of the load-test section of
+docs/benchmarks.md (and the load-test rows of the README's table).
 
     tokenmux loadtest --published [--out docs/results] [--short | --quick | --gpu]
 
@@ -36,8 +37,8 @@ design stays self-consistent.
 
 It writes docs/results/loadtest-{bursty,poisson,models}.json, the records of every request
 (loadtest-records.jsonl.gz, enough to re-score: `tokenmux loadtest --rescore FILE`),
-attainment-vs-rate and latency-CDF plots, loadtest-report.md, and refreshes the README's
-load-test table between its markers.
+attainment-vs-rate and latency-CDF plots, loadtest-report.md, and refreshes the published
+section of docs/benchmarks.md between its markers (`readme=`, BENCHMARKS_DOC by default).
 
 `--resume` continues a run from its records (a crash, or a contender or search step added
 since): the SLO is the one the records were scored under (never measured again), a point
@@ -147,8 +148,11 @@ class Preset:
                    settle_s=0.2)
 
 
+BENCHMARKS_DOC = "docs/benchmarks.md"   # holds the published section (load_tests/report.py's markers)
+
+
 def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, gpu: bool = False,
-                  short: bool = False, readme: str | Path | None = "README.md", preset: Preset | None = None,
+                  short: bool = False, readme: str | Path | None = BENCHMARKS_DOC, preset: Preset | None = None,
                   sweep_models: bool = True, resume: bool = False) -> dict:
     """Run everything and write the results; returns the summary. sweep_models=False leaves the
     models sweep out of any preset; resume=True continues from out_dir's records (module

@@ -5,7 +5,8 @@ its raw records (latency CDFs) and the workers' (worker, model, start, end) turn
 timeline of which model ran when): `write_report`, used by the demo. And the analysed
 sweeps of load_tests/analysis.py: attainment vs rate with 95% CI bands per contender and
 measure, TTFT and TBT CDFs at one shared rate, and the published Markdown (tables of max
-rates with CIs, ratios, the SLO sensitivity table), which also refreshes the README.
+rates with CIs, ratios, the SLO sensitivity table), which also refreshes its section of
+docs/benchmarks.md (between README_BEGIN and README_END; the names are older than the move).
 """
 from __future__ import annotations
 
@@ -300,7 +301,8 @@ README_END = "<!-- loadtest-published:end -->"
 
 
 def update_readme(path: str | Path, markdown: str) -> bool:
-    """Replace the README's published load-test section (between its markers); False if it has none."""
+    """Replace the published load-test section of `path` (docs/benchmarks.md: between its markers);
+    False if it has none."""
     path = Path(path)
     if not path.is_file():
         return False

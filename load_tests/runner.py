@@ -2,7 +2,7 @@
 
     tokenmux loadtest --trace FILE.csv --contenders token,request,dedicated,multiplexed \
         --workers W --sweep rate --json OUT.json --plots DIR
-    tokenmux loadtest --published            # the README's side-by-side run (load_tests/published.py)
+    tokenmux loadtest --published            # the published side-by-side run (load_tests/published.py)
     tokenmux loadtest --rescore RECORDS.jsonl.gz --slo-ttft 0.2 --json OUT.json   # re-score, no re-run
 
 Without --trace the workload is synthetic: Gamma arrivals (CV 4, bursty), Zipf(1) model
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rescore", metavar="RECORDS", help="score saved records again (SLO, threshold, measure "
                    "from the flags) without running anything")
     p.add_argument("--published", action="store_true",
-                   help="run the README's published side-by-side run (load_tests/published.py)")
+                   help="run the published side-by-side run (load_tests/published.py; refreshes docs/benchmarks.md)")
     p.add_argument("--out", default="docs/results", help="--published: where its files go")
     p.add_argument("--quick", action="store_true", help="a short run (tests): 1 seed, few requests; "
                    "with --published its quick preset")
@@ -120,10 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.published:
-        from load_tests.published import run_published
+        from load_tests.published import BENCHMARKS_DOC, run_published
 
         summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
-                                readme=None if (args.gpu or args.quick) else "README.md",
+                                readme=None if (args.gpu or args.quick) else BENCHMARKS_DOC,
                                 sweep_models=not args.skip_models_sweep, resume=args.resume)
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0

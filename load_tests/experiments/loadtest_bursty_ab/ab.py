@@ -1,13 +1,14 @@
-"""The A/B behind this folder (and ../loadtest-poisson-ab): one contender at fixed rates of one
-trace, one fixed SLO for every code under test, seeds 0-5 x 120 requests.
+"""The A/B behind docs/results/loadtest-bursty-ab (and loadtest-poisson-ab, and
+loadtest-poisson-6seeds/recheck.json): one contender at fixed rates of one trace, one fixed
+SLO for every code under test, seeds 0-5 x 120 requests.
 
     TOKENMUX_DATA_DIR=../shared/data PYTHONPATH=TREE .venv/bin/python \
-        docs/results/loadtest-bursty-ab/ab.py OUT.json 0.506,0.72 [contender] [field=json ...] \
+        load_tests/experiments/loadtest_bursty_ab/ab.py OUT.json 0.506,0.72 [contender] [field=json ...] \
         [--trace bursty|poisson] [--slo-ttft 0.0616] [--slo-tbt 0.0052] [--seeds 0,1,2,3,4,5]
 
 TREE is a worktree of the code under test (git worktree add); each field=json is a
 SchedulerConfig override of the token contender (chunked_prefill=false). The defaults are
-this folder's run: the bursty trace (Gamma CV 4), TTFT 61.6 ms, TBT 5.2 ms (the 6-seed
+the bursty A/B's run: the bursty trace (Gamma CV 4), TTFT 61.6 ms, TBT 5.2 ms (the 6-seed
 run's SLO). Writes OUT.json (attainment per rate and seed) and OUT.json.records.jsonl.gz
 (every request, re-scorable).
 """

@@ -2,7 +2,7 @@
 tree a, then the mean difference and its 95% Student-t CI over seeds (drift between runs
 cancels within a pair, run back to back).
 
-    .venv/bin/python docs/results/loadtest-poisson-ab/paired.py DIR TAG
+    .venv/bin/python load_tests/experiments/loadtest_poisson_ab/paired.py DIR TAG
 
 reads DIR/TAG-a-sN.json and DIR/TAG-b-sN.json (ab.py's output, one seed each); prints JSON.
 """

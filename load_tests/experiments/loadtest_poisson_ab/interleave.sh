@@ -4,7 +4,7 @@
 # seed both trees run back to back, the order alternating between seeds, so the host's drift
 # between runs falls on both sides of each pair (paired.py scores it).
 #
-#   docs/results/loadtest-poisson-ab/interleave.sh OUT_DIR TAG TREE_A TREE_B RATES [SEEDS]
+#   load_tests/experiments/loadtest_poisson_ab/interleave.sh OUT_DIR TAG TREE_A TREE_B RATES [SEEDS]
 #
 # writes OUT_DIR/TAG-a-sN.json and OUT_DIR/TAG-b-sN.json (+ .records.jsonl.gz) for each seed N.
 set -u
@@ -19,7 +19,7 @@ for seed in $seeds; do
     if [ "$side" = a ]; then tree=$tree_a; else tree=$tree_b; fi
     echo "$(date +%T) seed $seed tree $side ($tree)"
     (cd "$tree" && TOKENMUX_DATA_DIR=$data PYTHONPATH=$tree timeout 900 "$root/.venv/bin/python" \
-      "$root/docs/results/loadtest-bursty-ab/ab.py" "$out/$tag-$side-s$seed.json" "$rates" token \
+      "$root/load_tests/experiments/loadtest_bursty_ab/ab.py" "$out/$tag-$side-s$seed.json" "$rates" token \
       --trace poisson --slo-ttft "${SLO_TTFT:-0.0641}" --slo-tbt "${SLO_TBT:-0.0057}" --seeds "$seed")
     "$root/.venv/bin/ray" stop --force >/dev/null 2>&1
   done

@@ -1,17 +1,19 @@
-"""Why token-level's requests missed near its crossing, from this folder's records: per rate,
+"""Why token-level's requests missed near its crossing, from the records of
+docs/results/loadtest-poisson-6seeds: per rate,
 the share that missed TTFT and the share that met TTFT but missed mean TPOT; of those, how
 many were short (30 tokens or fewer), how many waited 20 ms or more between their first and second frame, and how many would have met
 the mean-TPOT SLO had that first gap been 5 ms.
 
-    python3 docs/results/loadtest-poisson-6seeds/misses.py [RECORDS] [RATES]
+    python3 load_tests/experiments/loadtest_poisson_6seeds/misses.py [RECORDS] [RATES]
 
-RECORDS defaults to this folder's loadtest-records.jsonl.gz, RATES to 5.685,6.2,6.761,8.04;
-the SLO is the run's own (the records' header). Prints JSON.
+RECORDS defaults to docs/results/loadtest-poisson-6seeds/loadtest-records.jsonl.gz, RATES to
+5.685,6.2,6.761,8.04; the SLO is the run's own (the records' header). Prints JSON.
 """
 import gzip, json, sys
 from pathlib import Path
 
-path = sys.argv[1] if len(sys.argv) > 1 else Path(__file__).with_name("loadtest-records.jsonl.gz")
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "loadtest-poisson-6seeds"
+path = sys.argv[1] if len(sys.argv) > 1 else RESULTS / "loadtest-records.jsonl.gz"
 rates = [float(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "5.685,6.2,6.761,8.04").split(",")]
 LONG_GAP_S, SHORT_GAP_S, SHORT_STREAM = 0.020, 0.005, 30
 per_rate, tpot = {}, {"misses": 0, "short": 0, "first_gap_long": 0, "met_with_short_first_gap": 0}
