@@ -80,8 +80,11 @@ ray.init(include_dashboard=False, log_to_driver=False)
 print('ray', ray.__version__, ray.cluster_resources())
 ray.shutdown()"
 
-run_step gpu_tests 170 "$PY" -m pytest -m gpu tests/ -q -rs -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$DETAIL/pytest-gpu.xml"
+# -v: each test's name is in the log as it ends (a step cut short by its time still says how far it
+# got); --timeout: one hung test or fixture teardown fails alone (a run on the H200 hung after its
+# last test, and its -q log could not say which test had errored)
+run_step gpu_tests 170 "$PY" -m pytest -m gpu tests/ -v -rA -p no:cacheprovider --continue-on-collection-errors \
+    --timeout 100 --junitxml="$DETAIL/pytest-gpu.xml"
 
 if "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
     run_step kv_ipc_bench 70 "$PY" tests/gpu/test_cupy_ipc.py --bench "$DETAIL/kv_ipc_bench.json"
