@@ -34,6 +34,26 @@ def _tokenmux(*args: str, timeout: float = 60, **env: str) -> subprocess.Complet
                           cwd=REPO, env=_env(**env), timeout=timeout)
 
 
+RAY_PROCESSES = {"gcs_server", "raylet"}
+
+
+def _tokenmux_without_ray(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`_tokenmux`, watching the command's process tree: a Ray it started (gcs_server, raylet,
+    alive for seconds at least) fails the test."""
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env())
+    started, deadline = set(), time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            started |= {c.name() for c in psutil.Process(proc.pid).children(recursive=True)} & RAY_PROCESSES
+        except psutil.Error:   # it exited meanwhile
+            pass
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    assert not started, f"`tokenmux {' '.join(args)}` started Ray ({sorted(started)})"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def _one_error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -41,18 +61,16 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 
 
 def test_a_bad_model_path_fails_in_one_line_before_ray_starts(tmp_path):
-    start = time.monotonic()
-    missing = _tokenmux("serve", "--models", str(tmp_path / "no-such-ckpt"))
+    missing = _tokenmux_without_ray("serve", "--models", str(tmp_path / "no-such-ckpt"))
     assert missing.returncode == 2
     line = _one_error_line(missing)
     assert str(tmp_path / "no-such-ckpt") in line and "no such directory" in line
 
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    half = _tokenmux("serve", "--models", f"mine={tmp_path / 'half'}")
+    half = _tokenmux_without_ray("serve", "--models", f"mine={tmp_path / 'half'}")
     line = _one_error_line(half)
     assert half.returncode == 2 and "'mine'" in line and str(tmp_path / "half") in line
-    assert time.monotonic() - start < 30   # no Ray was started for either
 
 
 def test_status_and_shutdown_with_nothing_running_say_so_in_one_line():
