@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from tests.net import free_port
+from tests.polling import poll_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,5 +139,12 @@ def test_bare_serve_serves_words_on_loopback_and_stops_cleanly_on_sigterm():
     console = "".join(lines) + out + err
     for noise in ("SIGTERM received", "Traceback", "INFO", "New http_options", "will not be applied"):
         assert noise not in console, console
-    time.sleep(2)
-    assert not [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # every process of the tree ends (a bound for a hang, not a wait: polled)
+    assert poll_until(lambda: not [p for p in tree if _alive(p)], 60, 0.1), [p for p in tree if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
