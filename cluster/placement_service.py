@@ -7,6 +7,9 @@ load, scheduler/messages.py), runs
 here, once per cluster), and applies the plan in an order that never routes a request to
 a worker without the model:
 
+  0. while workers gain a model, push the part of the plan that needs no registration
+     (`routable_now`: each model on the workers that hold it already), so a burst reaches
+     those replicas without waiting for the others to load the model;
   1. register_model on workers that gain a model (a failed registration drops that
      worker from the model's list in the plan);
   2. set_role on workers whose role changes;
@@ -29,7 +32,8 @@ from ray.exceptions import RayActorError
 
 from cluster.control_metrics import PlacementMetrics
 from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, LoadReport, WorkerView
-from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes
+from scheduler.placement import (ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes,
+                                 routable_now)
 from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
@@ -108,6 +112,8 @@ class PlacementService:
             load = {m: l for m, l in report.load.items() if m in self._infos}
             plan = self._policy.plan(views, self._infos, load, self._slos, now=time.monotonic())
             handles = await router.worker_handles.remote()
+            if plan_changes(plan, views).register:
+                await router.set_plan.remote(routable_now(plan, views, self._plan))
             plan = await self._register(plan, views, handles)
             await self._set_roles(plan, views, handles)
             await router.set_plan.remote(plan)

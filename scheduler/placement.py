@@ -44,7 +44,7 @@ import collections
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from scheduler.packing import ModelCost, PackItem, PackLimits, WorkerBin, pack, replica, replicas_needed
@@ -235,6 +235,22 @@ def plan_changes(plan: PlacementPlan, views: Iterable[Any]) -> PlanChanges:
                     if v.worker_id in plan.roles and v.role != plan.roles[v.worker_id]),
         unregister=tuple((v.worker_id, m) for v in live for m in sorted(set(v.registered) - set(
             plan.models_for(v.worker_id))) if v.load_by_model.get(m, 0) == 0))
+
+
+def routable_now(plan: PlacementPlan, views: Iterable[Any], previous: PlacementPlan | None) -> PlacementPlan:
+    """The part of `plan` the router may follow while its registrations are still under way:
+    each model on the plan's workers that have it registered already, else (all of them are
+    still registering it) on the workers `previous` gave it. Applied first, it lets a burst
+    reach the replicas that hold its model at once; registering on the others (a load into a
+    host cache, seconds on a busy host) used to hold the whole plan back, and the burst with it."""
+    registered = {v.worker_id: set(v.registered) for v in views if getattr(v, "alive", True)}
+    assignments = {}
+    for m, ws in plan.assignments.items():
+        ready = tuple(w for w in ws if m in registered.get(w, ()))
+        ready = ready or (previous.workers_for(m) if previous is not None else ())
+        if ready:
+            assignments[m] = ready
+    return replace(plan, assignments=assignments)
 
 
 class PlacementPolicy:

@@ -10,7 +10,10 @@ included) plus what the router itself has dispatched since, and asks `RoutingPol
   2. Each candidate gets a predicted delay before the request's first token:
      swap-in cost (0 if the weights are resident in a slot, a host->device copy if they
      sit in the node's host cache, a disk load if cold) + queueing (requests ahead of it
-     x the worker's step time).
+     x the worker's step time). A worker that has not measured a step yet (a replica
+     placement just added) is priced at the median step its live peers measured: priced
+     at the config's default instead (often many times a measured step), it looked
+     loaded after one request and a burst stayed on the workers that had run before.
   3. Candidates whose predicted delay stays within `headroom_frac` of the TTFT SLO are
      preferred; among them residency wins (resident > host cache > cold), then the
      lowest load. Keeping a model on the workers that already hold it avoids switches;
@@ -55,7 +58,7 @@ class NoWorkerError(LookupError):
 class RoutingConfig:
     swap_bytes_per_s: float = 8e9     # host cache -> device slot
     load_bytes_per_s: float = 1e9     # disk -> host cache -> device (cold path)
-    default_step_s: float = 0.05      # step time assumed until a worker reports one
+    default_step_s: float = 0.05      # step time assumed while no live worker has measured one
     default_weight_bytes: int = 1 << 30  # weight size assumed when the plan does not say
     headroom_frac: float = 0.5        # predicted delay must stay under this share of TTFT SLO
     hot_load: int = 8                 # per-worker load of a model above which it is "hot"
@@ -97,14 +100,16 @@ class RoutingPolicy:
             return sorted(m for m, ws in plan.assignments.items() if ids.intersection(ws))
         return sorted(set().union(*(v.registered for v in live))) if live else []
 
-    def predicted_delay_s(self, model: str, view: WorkerView, weight_bytes: int | None = None) -> float:
-        """Seconds before a new request of `model` would start on `view`."""
+    def predicted_delay_s(self, model: str, view: WorkerView, weight_bytes: int | None = None,
+                          unmeasured_step_s: float | None = None) -> float:
+        """Seconds before a new request of `model` would start on `view`; a view without a
+        measured step is priced at `unmeasured_step_s` (else the config's default)."""
         cfg = self.config
         nbytes = cfg.default_weight_bytes if weight_bytes is None else weight_bytes
         tier = view.residency(model)
         switch = 0.0 if tier == RESIDENT else nbytes / (
             cfg.swap_bytes_per_s if tier == HOST_CACHED else cfg.load_bytes_per_s)
-        step = view.step_time_s or cfg.default_step_s
+        step = view.step_time_s or unmeasured_step_s or cfg.default_step_s
         kv_penalty = cfg.kv_full_penalty if view.kv_free_frac < cfg.kv_full_frac else 1.0
         return switch + view.load * step * kv_penalty
 
@@ -126,6 +131,15 @@ class RoutingPolicy:
         """Worker id to continue decoding a prefilled request of `model` (KV handoff target)."""
         return self._pick(model, list(views), slo, plan, prefill=False)
 
+    @staticmethod
+    def peer_step_s(views: Iterable[WorkerView]) -> float | None:
+        """The median decode step the live workers measured; None if none has measured one."""
+        measured = sorted(v.step_time_s for v in views if v.alive and v.step_time_s > 0)
+        if not measured:
+            return None
+        mid = len(measured) // 2
+        return measured[mid] if len(measured) % 2 else (measured[mid - 1] + measured[mid]) / 2
+
     def is_hot(self, model: str, views: Iterable[WorkerView], plan: "PlacementPlan | None" = None) -> bool:
         """All of the model's workers carry more than `hot_load` of its requests."""
         cands = self.candidates(model, views, plan)
@@ -144,7 +158,8 @@ class RoutingPolicy:
         slo = slo or (plan.slo_for(model) if plan is not None else None) or SLO()
         weight_bytes = plan.weight_bytes(model) if plan is not None else None
         budget = slo.ttft_s * self.config.headroom_frac
-        scored = [(self.predicted_delay_s(model, v, weight_bytes), v) for v in cands]
+        peers = self.peer_step_s(views)
+        scored = [(self.predicted_delay_s(model, v, weight_bytes, peers), v) for v in cands]
         within = [(d, v) for d, v in scored if d <= budget]
         if within:
             _, best = min(within, key=lambda dv: (dv[1].residency(model), dv[1].load, dv[0], dv[1].worker_id))

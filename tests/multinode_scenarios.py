@@ -163,23 +163,47 @@ def main() -> dict:
         burst_slo = SLO(ttft_s=0.005, tbt_s=0.5)
 
         async def burst():
-            results, seen = [], 0
+            """16 clients, 4 requests each at least; a client goes on until one of its requests
+            has started after the router's plan spread the model (placement reacts within
+            seconds on a busy host: a burst shorter than that has nothing to spread onto)."""
+            results, spread, done = [], asyncio.Event(), asyncio.Event()
+            peak, deadline = 0, time.monotonic() + 60   # a router that never spreads fails below, not here
+
             async def client(i):
-                for j in range(4):
-                    results.append(await routed(topo.router, f"b{i}-{j}", model, 24, burst_slo))
-            peak = 0
-            tasks = [asyncio.create_task(client(i)) for i in range(16)]
-            while not all(t.done() for t in tasks):
-                peak = max(peak, len((await topo.placement.replan.remote()).assignments[model]))
-                await asyncio.sleep(0.2)
-            await asyncio.gather(*tasks)
+                j = after = 0
+                while j < 4 or (not after and time.monotonic() < deadline):
+                    started_spread = spread.is_set()
+                    results.append((started_spread, await routed(topo.router, f"b{i}-{j}", model, 24, burst_slo)))
+                    j, after = j + 1, after + started_spread
+
+            async def drive_placement():
+                nonlocal peak
+                while not done.is_set():
+                    peak = max(peak, len((await topo.placement.replan.remote()).assignments[model]))
+                    await asyncio.sleep(0.2)
+
+            async def watch_router():
+                while not done.is_set():
+                    routing_plan = await topo.router.plan.remote()
+                    if routing_plan is not None and len(routing_plan.workers_for(model)) >= 2:
+                        spread.set()
+                    await asyncio.sleep(0.05)
+
+            watchers = [asyncio.create_task(drive_placement()), asyncio.create_task(watch_router())]
+            try:
+                await asyncio.gather(*(client(i) for i in range(16)))
+            finally:
+                done.set()
+                await asyncio.gather(*watchers)
             return results, peak
 
         results, peak = asyncio.run(burst())
-        bad = [(wid, len(tokens), finish) for wid, tokens, finish in results
+        bad = [(wid, len(tokens), finish) for _, (wid, tokens, finish) in results
                if tokens[:MAX_TOKENS] != out["reference"][model] or finish != "length"]
         out["burst_requests"], out["burst_failed"] = len(results), bad
-        out["burst_workers"] = sorted({wid for wid, _, _ in results})
+        out["burst_workers"] = sorted({wid for _, (wid, _, _) in results})
+        out["spread_requests"] = sum(after for after, _ in results)
+        out["spread_workers"] = sorted({wid for after, (wid, _, _) in results if after})
         out["replicas_peak"] = peak
         out["shrunk"] = poll_until(lambda: len(plan().assignments[model]) == 1, 30, 0.25)
         out["replicas_after"] = len(plan().assignments[model])

@@ -1,7 +1,8 @@
 """`tokenmux bench engine` end to end on a tiny zoo model with tiny counts: every section
 runs (swap, cold load in fresh processes, engine vs HF decode, scheduler overhead, and the
 random-weight --shapes path the GPU run uses) and the JSON holds every figure, finite and
-positive. Speed floors are results of the benchmark, never asserted here."""
+in its range (durations and speeds positive, shares in [0, 1]). What a figure is worth on a
+loaded machine is the benchmark's result, never asserted here: a timed share may read 0.0."""
 from __future__ import annotations
 
 import json
@@ -16,10 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
         "--cold-repeats", "1", "--overhead-requests", "2", "--overhead-tokens", "3", "--overhead-repeats", "2", "--threads", "1",
-        "--metrics-pairs", "2", "--metrics-window", "1"]
+        "--metrics-pairs", "2", "--metrics-window", "0.3"]
 
 
-def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "deploy.cli.main", "bench", "engine", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -27,6 +28,11 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _share(value) -> bool:
+    """A measured share of time: finite and in [0, 1] (a CPU-time share can read 0.0)."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= 1
 
 
 def test_bench_engine_writes_every_figure(tmp_path):
@@ -37,14 +43,17 @@ def test_bench_engine_writes_every_figure(tmp_path):
     r = json.loads(out.read_text())
 
     for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "cold_load_s", "cold_load_warm_s",
-                "cold_load_evicted_s", "swap_vs_cold_reduction", "decode_tps", "hf_generate_tps", "decode_vs_hf",
-                "scheduler_overhead_frac", "scheduler_overhead_frac_model", "scheduler_overhead_frac_model_swapping"):
+                "cold_load_evicted_s", "decode_tps", "hf_generate_tps", "decode_vs_hf"):
         assert _positive(r[key]), (key, r.get(key))
+    for key in ("scheduler_overhead_frac", "scheduler_overhead_frac_model", "scheduler_overhead_frac_model_swapping",
+                "metrics_record_frac", "metrics_flush_frac"):
+        assert _share(r[key]), (key, r.get(key))
+    # 1 - swap / cold load: a share saved, below 1 (negative only if a swap were slower than a cold load)
+    assert math.isfinite(r["swap_vs_cold_reduction"]) and r["swap_vs_cold_reduction"] < 1
     assert r["swap_vs_memcpy"] == pytest.approx(r["swap_s"] / r["memcpy_limit_s"])
     assert r["decode_vs_hf"] == pytest.approx(r["decode_tps"] / r["hf_generate_tps"])
     assert r["swap_vs_cold_reduction"] == pytest.approx(1 - r["swap_s"] / r["cold_load_s"])
     assert r["cold_load_kind"] in ("evicted_page_cache", "warm_page_cache")
-    assert r["scheduler_overhead_frac"] < 1
     # like for like: both sides produced the same greedy tokens for every request (float32)
     assert r["decode_greedy_match"] == "8/8"
     assert r["overhead_tiny"]["num_models"] == 8 and r["overhead_tiny"]["num_swaps"] == 0
@@ -58,12 +67,12 @@ def test_bench_engine_writes_every_figure(tmp_path):
     assert m["cpu_count"] >= 1 and m["torch_threads"] == 1 and m["device"] == "cpu"
     assert set(r["floors"]) == {"swap_vs_memcpy", "swap_vs_cold_reduction", "decode_vs_hf", "scheduler_overhead_frac",
                                 "metrics_overhead_frac"}
-    assert 0 < r["metrics_record_frac"] < 1 and r["metrics_flush_frac"] > 0 and r["metrics_pairs"] == 2
+    assert r["metrics_pairs"] == 2
 
     shape = r["shapes"]["test-tiny"]
-    for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "decode_tps", "hf_generate_tps", "decode_vs_hf",
-                "scheduler_overhead_frac"):
+    for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "decode_tps", "hf_generate_tps", "decode_vs_hf"):
         assert _positive(shape[key]), (key, shape.get(key))
+    assert _share(shape["scheduler_overhead_frac"]), shape.get("scheduler_overhead_frac")
     for line in ("swap_vs_memcpy", "decode_vs_hf", "scheduler_overhead_frac", "shape test-tiny"):
         assert line in proc.stdout
     assert _bench_shm_files() <= shm_before, "the benchmark left host-cache files in /dev/shm"

@@ -24,7 +24,8 @@ def test_virtual_device_reads_cpu_share_and_rss():
     idle = sampler.sample()
     assert busy.virtual and busy.memory_total_bytes == 1 << 30
     assert busy.memory_used_bytes > 10 << 20                # this Python process's RSS
-    assert busy.utilization > 0.5 > idle.utilization        # the burn shows, the sleep does not
+    # the burn shows, the sleep does not (how much of a core the burn got depends on the machine's load)
+    assert 0 < busy.utilization <= 1 and busy.utilization > idle.utilization
     assert busy.pcie_rx_bytes_per_s == 5e8 and busy.power_watts is None and busy.temperature_celsius is None
 
 

@@ -1,4 +1,9 @@
-"""Open-loop driver against in-process targets that sleep per token, and against HTTP/SSE."""
+"""Open-loop driver against in-process targets that sleep per token, and against HTTP/SSE.
+
+Timing is asserted only where it cannot flake on a loaded machine: a sleep never ends early,
+so a measured gap is at least the target's sleep; where the driver must not wait (open loop,
+timeouts, cancellation, skipped idle time), a target that would make it wait for an hour
+fails the test through a generous bound on the whole run instead."""
 import asyncio
 import json
 import time
@@ -14,16 +19,32 @@ def workload(n, gap_s, model="m", input_len=4, output_len=3):
     return Workload(tuple(TraceRequest(i * gap_s, model, input_len, output_len) for i in range(n)))
 
 
-class SlowEngine:
-    """Streams one token per `token_s`; notes when each request was sent and closed."""
+HOUR = 3600.0
+RUN_BOUND_S = 60.0   # a run that waits for what it must not wait for takes an hour, not this
 
-    def __init__(self, token_s):
+
+def bounded(coro):
+    return asyncio.run(asyncio.wait_for(coro, RUN_BOUND_S))
+
+
+class SlowEngine:
+    """Streams one token per `token_s`; notes when each request was sent and closed. With
+    `hold_until`, no request streams before that many have been sent."""
+
+    def __init__(self, token_s, hold_until=0):
         self.token_s = token_s
+        self.hold_until = hold_until
         self.sent, self.closed, self.prompts = {}, set(), {}
+        self._all_sent = None
 
     async def __call__(self, model, prompt, max_tokens, request_id):
         self.sent[request_id] = time.perf_counter()
         self.prompts[request_id] = prompt
+        if self.hold_until:
+            self._all_sent = self._all_sent or asyncio.Event()
+            if len(self.sent) >= self.hold_until:
+                self._all_sent.set()
+            await self._all_sent.wait()
         try:
             for i in range(max_tokens):
                 await asyncio.sleep(self.token_s)
@@ -33,20 +54,16 @@ class SlowEngine:
 
 
 def test_open_loop_arrivals_do_not_wait_for_completions():
-    engine = SlowEngine(token_s=0.4)  # each request takes 1.2 s
+    # No request streams a token before all 8 were sent: a driver that waited for a
+    # completion before the next send would wait for ever (here: fail the run's bound).
+    engine = SlowEngine(token_s=0.1, hold_until=8)
     w = workload(8, gap_s=0.05)
-    records = asyncio.run(run(CallableTarget(engine), w))
-    done = time.perf_counter()
-    sends = sorted(engine.sent.values())
-    # every request went out on schedule, long before the first one finished (timed from the
-    # first send: before its clock starts the driver runs a collector pass, actors/heap.py)
-    assert sends[-1] - sends[0] < 0.35 + 0.2
-    assert done - sends[0] < 1.2 + 0.35 + 0.8  # concurrent, not 8 x 1.2 s
+    records = bounded(run(CallableTarget(engine), w))
     assert all(r.ok and r.num_output_tokens == 3 for r in records)
     assert [r.arrival for r in records] == [r.arrival_s for r in w]
-    for r in records:
-        assert r.ttft == pytest.approx(0.4, abs=0.25)
-        assert all(g == pytest.approx(0.4, abs=0.25) for g in r.tbts)
+    for r in records:   # the gaps the target made, as the client saw them
+        assert r.ttft >= engine.token_s - 1e-3 and len(r.tbts) == 2
+        assert all(g >= engine.token_s - 1e-3 for g in r.tbts)
 
 
 def test_bounded_by_count_and_duration():
@@ -65,13 +82,11 @@ def test_errors_timeouts_and_cancellation_are_recorded_not_raised():
         if model == "frame-error":
             yield OutputFrame(request_id, finish_reason="error", error="out of memory")
         if model == "hangs":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(HOUR)
         yield [2]
 
     reqs = [TraceRequest(0.0, m, 2, 2) for m in ("ok", "raises", "frame-error", "hangs")]
-    t0 = time.perf_counter()
-    recs = asyncio.run(run(CallableTarget(flaky), Workload(tuple(reqs)), request_timeout_s=0.3))
-    assert time.perf_counter() - t0 < 2.0
+    recs = bounded(run(CallableTarget(flaky), Workload(tuple(reqs)), request_timeout_s=0.3))
     by_model = {r.model: r for r in recs}
     assert by_model["ok"].error is None and by_model["ok"].num_output_tokens == 2
     assert by_model["raises"].error == "RuntimeError: engine died"
@@ -80,13 +95,13 @@ def test_errors_timeouts_and_cancellation_are_recorded_not_raised():
     assert by_model["hangs"].error.startswith("timeout")
 
     # a short drain cancels what is still running after the last arrival
-    recs = asyncio.run(run(CallableTarget(flaky), Workload((TraceRequest(0.0, "hangs", 2, 2),)),
-                           request_timeout_s=60, drain_timeout_s=0.2))
+    recs = bounded(run(CallableTarget(flaky), Workload((TraceRequest(0.0, "hangs", 2, 2),)),
+                       request_timeout_s=HOUR, drain_timeout_s=0.2))
     assert recs[0].error == "cancelled" and recs[0].end is not None
 
 
 def test_shutdown_cancels_and_closes_every_stream():
-    engine = SlowEngine(token_s=10.0)
+    engine = SlowEngine(token_s=HOUR)   # a shutdown that waited for the streams would take hours
 
     async def main():
         task = asyncio.create_task(run(CallableTarget(engine), workload(5, gap_s=0.02)))
@@ -95,9 +110,7 @@ def test_shutdown_cancels_and_closes_every_stream():
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    t0 = time.perf_counter()
-    asyncio.run(main())
-    assert time.perf_counter() - t0 < 2.0
+    bounded(main())
     assert len(engine.sent) == 5 and engine.closed == set(engine.sent)
 
 
@@ -111,8 +124,8 @@ def test_tokens_are_timed_when_the_client_gets_them_and_server_stamps_kept_besid
         yield OutputFrame(request_id, token_ids=[9], token_times=[time.time()])
 
     (r,) = asyncio.run(run(CallableTarget(timed), workload(1, 0.0)))
-    assert r.tbts[0] == 0.0 and r.tbts[1] == pytest.approx(0.2, abs=0.1)
-    assert r.ttft == pytest.approx(0.0, abs=0.1)   # received at once, though made 0.5 s earlier
+    assert r.tbts[0] == 0.0 and r.tbts[1] >= 0.2 - 1e-3
+    assert r.ttft >= 0   # timed when received (the server's stamp is 0.5 s before the request was sent)
     server = r.server_token_times
     assert server[1] - server[0] == pytest.approx(0.25, abs=1e-6)
     assert server[0] < r.token_times[0] - 0.4
@@ -184,17 +197,16 @@ def test_openai_http_target_streams_sse():
 
 def test_idle_stretches_are_skipped_and_times_stay_on_the_workload_clock():
     engine = SlowEngine(token_s=0.05)   # each request: 3 tokens, 0.15 s
-    w = Workload(tuple(TraceRequest(t, "m", 4, 3) for t in (0.0, 0.05, 30.0, 60.0)))
-    t0 = time.perf_counter()
-    records = asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.3))
-    assert time.perf_counter() - t0 < 3.0          # not the minute the workload spans
-    assert [r.arrival for r in records] == [0.0, 0.05, 30.0, 60.0]
-    for r in records:   # latencies are what they were: measured while the request was in flight
-        assert r.ok and r.ttft == pytest.approx(0.05, abs=0.1)
-        assert r.token_times[-1] - r.arrival == pytest.approx(0.15, abs=0.15)
+    arrivals = (0.0, 0.05, HOUR, 2 * HOUR)
+    w = Workload(tuple(TraceRequest(t, "m", 4, 3) for t in arrivals))
+    records = bounded(run(CallableTarget(engine), w, idle_skip_s=0.3))   # not the hours the workload spans
+    assert [r.arrival for r in records] == list(arrivals)
+    for r in records:   # latencies are what they were: measured while the request was in flight, not the hour skipped
+        assert r.ok and engine.token_s - 1e-3 <= r.ttft < RUN_BOUND_S
+        assert 3 * engine.token_s - 1e-3 <= r.token_times[-1] - r.arrival < RUN_BOUND_S
     # the second request arrived while the first was in flight: nothing was skipped before it
     sends = sorted(engine.sent.values())
-    assert sends[1] - sends[0] == pytest.approx(0.05, abs=0.04)
+    assert sends[1] - sends[0] >= 0.05 - 1e-3
     with pytest.raises(ValueError, match="idle_skip_s"):
         asyncio.run(run(CallableTarget(engine), w, idle_skip_s=0.0))
 

@@ -42,12 +42,11 @@ def test_node_added_at_runtime_gets_workers_and_takes_traffic(result):
     assert set(result["new_workers"]) & (set(result["burst_workers"]) | {result["new_node_served"]["worker"]})
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known since the issue-9/11/14 merges: placement adds replicas (peak 6) but the router keeps "
-    "the whole burst on the model's resident worker, even under a 5 ms TTFT SLO; under investigation"))
 def test_burst_spreads_over_more_workers_and_shrinks_back(result):
-    assert result["burst_failed"] == [] and result["burst_requests"] == 64
-    assert result["replicas_before"] == 1 and result["replicas_peak"] >= 2 and len(result["burst_workers"]) >= 2
+    assert result["burst_failed"] == [] and result["burst_requests"] >= 64
+    assert result["replicas_before"] == 1 and result["replicas_peak"] >= 2
+    # the requests that started once the router had the replicas went to more than one worker
+    assert result["spread_requests"] >= 16 and len(result["spread_workers"]) >= 2, result["spread_workers"]
     assert result["shrunk"] and result["replicas_after"] == 1
 
 

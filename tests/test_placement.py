@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.placement import ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy
+from scheduler.placement import ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy, routable_now
 from scheduler.routing import NoWorkerError, RoutingPolicy, WorkerView
 from scheduler.slo import SLO
 
@@ -180,3 +180,16 @@ def test_property_plans_fit_and_serve_every_placeable_model(slots, nodes, models
             assert RoutingPolicy().pick(m, views, SLO(), plan) in plan.workers_for(m)
         with pytest.raises(NoWorkerError):
             RoutingPolicy().pick("not-a-model", views, SLO(), plan)
+
+
+def test_while_replicas_register_the_router_may_use_those_that_hold_the_model_already():
+    """A burst's replicas on workers that hold the model are routable at once; the ones still
+    registering join later, and a model none of whose new workers is ready keeps its old ones."""
+    views = [WorkerView(worker_id=w, node_id="n0", slot_bytes=4 * GB, registered=frozenset(reg))
+             for w, reg in (("w0", {"a"}), ("w1", {"a", "b"}), ("w2", set()), ("w3", set()))]
+    previous = PlacementPlan(assignments={"a": ("w0",), "b": ("w1",)}, roles={})
+    plan = PlacementPlan(assignments={"a": ("w0", "w1", "w2"), "b": ("w3",), "c": ("w2",)}, roles={}, version=7)
+    now = routable_now(plan, views, previous)
+    assert dict(now.assignments) == {"a": ("w0", "w1"), "b": ("w1",)}   # c: no worker holds it yet
+    assert now.version == plan.version and now.roles == plan.roles
+    assert "c" not in routable_now(plan, views, None).assignments

@@ -103,6 +103,28 @@ def test_slo_headroom_moves_work_off_an_overloaded_resident_worker():
     assert policy.pick("a", views, SLO(ttft_s=60.0), plan) == "w0"
 
 
+def test_a_burst_spreads_onto_a_replica_that_has_not_measured_a_step_yet():
+    """The replica placement just added has never decoded, so it reports no step time. Priced at
+    the default step (25x the measured one here) it looked loaded after one request, and the
+    burst stayed on the worker that had run before; priced at its peers' measured step, the
+    burst splits between the two."""
+    policy, tracker = RoutingPolicy(), LoadTracker()
+    plan = plan_of({"a": ["old", "new"]}, weights={"a": 4 << 20})
+    measured = policy.config.default_step_s / 25
+    picks = collections.Counter()
+    for i in range(16):
+        views = [view("old", resident=("a",), step_time_s=measured, load=tracker.inflight("old")),
+                 view("new", load=tracker.inflight("new"))]   # registered, host-cached, no step yet
+        wid = policy.pick("a", views, SLO(ttft_s=5 * measured, tbt_s=0.5), plan)
+        tracker.dispatched(wid, "a", now=float(i))
+        picks[wid] += 1
+    assert abs(picks["new"] - picks["old"]) <= 2, picks
+    # with no worker measured yet, the default prices them all alike
+    assert RoutingPolicy.peer_step_s([view("w0"), view("w1")]) is None
+    assert RoutingPolicy.peer_step_s([view("w0", step_time_s=0.01), view("w1", step_time_s=0.03),
+                                      view("w2", step_time_s=0.5, alive=False)]) == pytest.approx(0.02)
+
+
 def test_a_worker_with_a_full_kv_pool_is_avoided():
     policy = RoutingPolicy(RoutingConfig(default_step_s=0.1))
     views = [view("w0", resident=("a",), load={"a": 10}, kv_free_frac=0.01),

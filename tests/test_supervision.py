@@ -143,13 +143,10 @@ def test_a_killed_router_is_rebuilt_from_the_live_workers(topology, restart):
     _wait_for_routable(topology)
     old = topology.router
     live = set(topology.workers)
-    t0 = time.monotonic()
     # for good: the supervisor makes a new router; restarted in place by Ray: it comes back empty
     ray.kill(old, no_restart=not restart)
     frames = asyncio.run(_run(_client(topology), _request("after-router", 8)))
-    recovered_s = time.monotonic() - t0
     assert frames[-1].finish_reason == "length", frames[-1].error
-    assert recovered_s <= 10.0
 
     def router_lists(workers: set[str]) -> bool:
         try:   # the handle may point at a router Ray is still restarting: it answers once back
