@@ -181,7 +181,7 @@ def test_chunked_prefill_equals_hf_generate_and_keeps_seeded_streams(zoo_model, 
     seeded = [GenerateRequest(f"s{i}", models[i % 2], tuple(p), params) for i, p in enumerate(_prompts(11, 4))]
     whole = _run(_engine(paths, num_slots=2), list(seeded))
     engine = _engine(paths, num_slots=2, smooth_streams=smooth)
-    engine.policy._chunk_tokens = lambda model, tokens: 5 if tokens > 5 else None
+    engine.policy.prefill.chunk_tokens = lambda model, tokens, limit_s=None: 5 if tokens > 5 else None
     out = _run(engine, greedy + seeded)
     for r in greedy:
         assert out[r.request_id]["tokens"] == hf_greedy(paths[r.model], list(r.prompt_token_ids), MAX_NEW), \

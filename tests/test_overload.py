@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SLO, Request, SamplingParams, SchedulerConfig, StepLatencyEstimator, TokenLevelPolicy
+from scheduler import deadlines
 from scheduler.request import RequestStatus
 from dataclasses import replace
 
@@ -120,34 +121,30 @@ def _req(rid, model, t, max_tokens=30, tbt=0.05, ttft=0.3, prompt=4):
                    SLO(ttft_s=ttft, tbt_s=tbt), arrival_time=t)
 
 
-def _waiting_load(policy, model, requests, now):
-    return replace(policy._load(model, now, extra=requests), waiting=True,
-                   aged=any(policy._aged(r, now) for r in requests))
-
-
 def _drive(policy, arrivals, max_steps=20000):
     """Run to completion; arrivals are (time, request). Returns the engine and the rounds
-    seen: (served models, held models)."""
+    seen: (served or reserved models, held models, time)."""
     engine = FakeEngine(policy, step_s=_step_s, resident=set(policy.models))
     pending = sorted(arrivals, key=lambda x: x[0])
     rounds = []
-    original = policy._new_round
+    planner = policy.planner
+    plan = planner.plan
 
     def spy(now):
-        original(now)
-        if policy._round or policy.held or policy._reserved:
-            rounds.append((tuple(policy._round) + tuple(policy._reserved), policy.held, now))
-        running = [policy._load(m, now) for m in policy.models if policy._has_decode_work(m)]
-        guard = 2 * plan_round(running, policy._rule()).decode_s if running else 0.0
-        taken = [policy._load(m, now) for m in policy._round] + [
-            _waiting_load(policy, m, [policy.requests[i] for i in ids], now) for m, ids in policy._reserved.items()]
-        for held in policy.held:   # first fit: it did not fit beside the batches taken before it
-            mine = policy._load(held, now)
-            key = (priority(mine, guard), mine.model)
-            ahead = [b for b in taken if (priority(b, guard), b.model) < key]
-            assert plan_round(ahead + [mine], policy._rule()).alpha > 1.0
+        planned = plan(now)
+        taken_models = planner.order + planner.reserved
+        if taken_models or planner.held:
+            rounds.append((taken_models, planner.held, now))
+        weighed = {b.model: b for b in planner.candidates}
+        taken = [weighed[m] for m in taken_models]
+        for held in planner.held:   # first fit: it did not fit beside the batches taken before it
+            mine = weighed[held]
+            key = (priority(mine, planner.guard_s), mine.model)
+            ahead = [b for b in taken if (priority(b, planner.guard_s), b.model) < key]
+            assert plan_round(ahead + [mine], policy.loads.rule()).alpha > 1.0
+        return planned
 
-    policy._new_round = spy
+    planner.plan = spy
     for _ in range(max_steps):
         while pending and pending[0][0] <= engine.now:
             policy.add_request(pending.pop(0)[1])
@@ -215,11 +212,9 @@ def test_a_late_request_waits_last_only_until_it_is_aged(monkeypatch, late_age):
     until it is late by half its TTFT SLO; forever (late_age inf, the rule before), every
     request of a model whose queue head was late waited for the long streams to end (~12 s).
     The long streams keep their TBT either way."""
-    import scheduler.token_level as token_level
-
     config = SchedulerConfig()
     if late_age is not None:   # the rule before: no ageing, and no TTFT slack (which spreads the starts)
-        monkeypatch.setattr(token_level, "LATE_AGE", late_age)
+        monkeypatch.setattr(deadlines, "LATE_AGE", late_age)
         config = SchedulerConfig(ttft_slack=False)
     arrivals = [(0.0, _req(f"long{m}", m, 0.0, max_tokens=300)) for m in "cdef"]
     arrivals += [(0.01 * i, _req(f"a{i}", "a", 0.01 * i, max_tokens=5)) for i in range(300)]
@@ -344,16 +339,16 @@ def test_a_stream_is_lost_when_even_full_speed_to_max_tokens_ends_late():
     r = _req("r", "a", 0.0, max_tokens=40)
     r.first_token_time, r.output_token_ids, r.token_times = 0.0, [7] * 10, [1.6]
     r.status, policy.running["a"] = RequestStatus.RUNNING, [r]
-    assert policy._slack(r, 1.0) == pytest.approx(-0.5)
-    assert policy._last_slack(r, 1.0, 0.01) == pytest.approx(1.95 - 1.0 - 0.3)
-    assert policy._last_slack(r, 1.7, 0.01) < 0 and policy._lost(r, 1.7, 0.01)
+    assert deadlines.slack(r, 1.0) == pytest.approx(-0.5)
+    assert deadlines.last_slack(r, 1.0, 0.01) == pytest.approx(1.95 - 1.0 - 0.3)
+    assert deadlines.last_slack(r, 1.7, 0.01) < 0 and deadlines.lost(r, 1.7, 0.01)
     # a step longer than the TBT SLO: ending sooner is its best case, and that is judged too
-    assert policy._last_slack(r, 0.52, 0.06) < 0 and not policy._lost(r, 0.4, 0.06)
-    assert not policy._load("a", 1.0).lost
-    lost = policy._load("a", 1.7)
+    assert deadlines.last_slack(r, 0.52, 0.06) < 0 and not deadlines.lost(r, 0.4, 0.06)
+    assert not policy.loads.load("a", 1.0).lost
+    lost = policy.loads.load("a", 1.7)
     assert lost.lost and not lost.aged and priority(lost, 0.05) == math.inf
     # no token for 1.5x its TTFT SLO (0.3 s): aged, back in deadline order (first)
-    aged = policy._load("a", 1.6 + 0.46)
+    aged = policy.loads.load("a", 1.6 + 0.46)
     assert aged.lost and aged.aged and priority(aged, 0.05) == -math.inf
 
 
@@ -366,7 +361,8 @@ def test_a_prefill_shorter_than_one_tbt_is_not_split_near_capacity():
     r = _req("a0", "a", 0.0, max_tokens=40)
     r.first_token_time, r.output_token_ids, r.status = 0.0, [7], RequestStatus.RUNNING
     policy.running["a"] = [r]
-    policy._prefill_cap_s = 0.001
-    assert policy._chunk_tokens("b", 200) is None    # 0.025 s
-    assert policy._chunk_tokens("b", 600) == 450     # 0.065 s: cut to 0.005 + 1e-4 x 450 = 0.05 s
-    assert _policy(SchedulerConfig(chunked_prefill=False), models="ab")._chunk_tokens("b", 600) is None
+    policy.prefill.start_round(budget_s=0.001, alpha=0.99)
+    assert policy.prefill.chunk_tokens("b", 200) is None    # 0.025 s
+    assert policy.prefill.chunk_tokens("b", 600) == 450     # 0.065 s: cut to 0.005 + 1e-4 x 450 = 0.05 s
+    assert policy.prefill.chunk_tokens("b", 600, limit_s=0.025) == 200   # a strategy's cap (smooth streams)
+    assert _policy(SchedulerConfig(chunked_prefill=False), models="ab").prefill.chunk_tokens("b", 600) is None

@@ -1,0 +1,58 @@
+"""What the next round would see of each model's decode batch: its BatchLoad (TBT SLO,
+predicted step, switch, slack; scheduler/overload.py), its predicted decode step, and the
+quota rule's knobs. A read-only view of a policy's request tables and the measured step
+overhead, shared by the token-level policy's round planner and its prefill budget.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Sequence
+
+from scheduler import deadlines
+from scheduler.overload import BatchLoad, RoundRule
+from scheduler.request import Request
+from scheduler.step_overhead import StepOverhead
+
+if TYPE_CHECKING:
+    from scheduler.policy import SchedulingPolicy
+
+
+class BatchLoads:
+    def __init__(self, policy: SchedulingPolicy, overhead: StepOverhead) -> None:
+        self.policy = policy
+        self.overhead = overhead
+
+    def decoding(self, model: str) -> bool:
+        """Has `model` a decode batch (RUNNING or SWAPPED requests)?"""
+        return bool(self.policy.running.get(model))
+
+    def decoding_models(self) -> list[str]:
+        return [m for m in self.policy.models if self.decoding(m)]
+
+    def rule(self) -> RoundRule:
+        c = self.policy.config
+        return RoundRule(c.quota_max_s, c.min_quota_steps, c.quota_switch_factor, frozenset(self.policy.resident),
+                         c.max_decode_steps, self.overhead.turn_cost_s, c.turn_overhead_frac)
+
+    def load(self, model: str, now: float, extra: Sequence[Request] = ()) -> BatchLoad:
+        """`model`'s batch for the next round, with `extra` (waiting) requests joining it."""
+        p = self.policy
+        batch = p.running[model][: p.config.max_batch_size] + list(extra)
+        step = p.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
+        step += self.overhead.step_s
+        lost = not extra and all(deadlines.lost(r, now, step) for r in batch)
+        aged = lost and any(deadlines.stalled(r, now) for r in batch)
+        return BatchLoad(model, min(r.slo.tbt_s for r in batch), step, p.estimator.predict_switch(model),
+                         min(deadlines.slack(r, now) for r in batch), lost=lost, aged=aged)
+
+    def waiting_load(self, model: str, now: float, requests: Sequence[Request]) -> BatchLoad:
+        """`model`'s batch were its waiting `requests` prefilled to start it this round."""
+        return replace(self.load(model, now, extra=requests), waiting=True,
+                       aged=any(deadlines.aged(r, now) for r in requests))
+
+    def predict_decode(self, model: str) -> float:
+        """`model`'s next decode step, per-step overhead included."""
+        p = self.policy
+        batch = p.running[model][: p.config.max_batch_size]
+        step = p.estimator.predict_decode(model, max(len(batch), 1), sum(r.num_tokens for r in batch))
+        return step + self.overhead.step_s

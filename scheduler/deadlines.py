@@ -1,0 +1,57 @@
+"""When a request's next token is due, and which requests are past saving (overload.py's slack).
+
+A waiting request's first token is due by arrival + TTFT; a stream's token k after its first by
+first + k x TBT (its mean-TPOT budget, which a fast first token does not widen). Time a stream
+has banked by running ahead of that is its slack. Overload control (scheduler/overload.py)
+orders batches by it; a request already late goes last, until it is `aged` (late by LATE_AGE x
+its TTFT SLO), when its deadline, the earliest, puts it first again.
+"""
+from __future__ import annotations
+
+import math
+
+from scheduler.request import Request
+
+LATE_AGE = 0.5  # a late request goes last until it is late by this x its TTFT SLO (overload.py)
+
+
+def slack(request: Request, now: float) -> float:
+    """Until the request's next token is due (negative: late)."""
+    if request.first_token_time is None:
+        return request.arrival_time + request.slo.ttft_s - now
+    return request.first_token_time + request.num_output_tokens * request.slo.tbt_s - now
+
+
+def last_slack(request: Request, now: float, step_s: float) -> float:
+    """A stream's laxity were it to run to max_tokens: its last token is due at first +
+    (max_tokens - 1) * TBT, and its remaining tokens take `step_s` each at full speed.
+    inf for a request with no token yet (not a stream)."""
+    if request.first_token_time is None:
+        return math.inf
+    n = request.sampling_params.max_tokens
+    left = n - request.num_output_tokens
+    return request.first_token_time + (n - 1) * request.slo.tbt_s - now - left * step_s
+
+
+def lost(request: Request, now: float, step_s: float) -> bool:
+    """A stream whose mean TPOT misses whatever the rounds do from now: late at full speed
+    (`step_s` a token) whether it ends with its next token or at max_tokens. Its laxity is
+    linear in where it ends, so those two are its best cases. Never a request with no token
+    yet (its `last_slack` is inf)."""
+    return max(slack(request, now) - step_s, last_slack(request, now, step_s)) < 0
+
+
+def aged(request: Request, now: float) -> bool:
+    """Waiting and late by LATE_AGE x its TTFT SLO: back in deadline order (first)."""
+    return request.first_token_time is None and \
+        now - request.arrival_time > (1.0 + LATE_AGE) * request.slo.ttft_s
+
+
+def stalled(request: Request, now: float) -> bool:
+    """A stream with no token for (1 + LATE_AGE) x its TTFT SLO: a lost batch of such is aged."""
+    return bool(request.token_times) and now - request.token_times[-1] > (1.0 + LATE_AGE) * request.slo.ttft_s
+
+
+def goes_last(request: Request, now: float) -> bool:
+    """A waiting request already late, not yet aged: it yields to those still on time."""
+    return slack(request, now) < 0 and not aged(request, now)
