@@ -435,6 +435,8 @@ class SchedulingPolicy(ABC):
         swapped = request.status is RequestStatus.SWAPPED
         have = 0 if swapped else len(request.block_ids)
         need = blocks_for_tokens(request.num_tokens) - have
+        if swapped:   # its host copy may hold blocks given ahead for a multi-step run: all come back
+            need = max(need, len(request.host_block_ids))
         if need <= 0 and not swapped:   # most decode steps: the last block still has room
             return True
         while (ids := self.block_manager.allocate(shape, need)) is None:
