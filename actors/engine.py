@@ -390,9 +390,8 @@ class Engine:
                 return None
             assembler = self._take_out(request)
         n = request.num_computed_tokens
-        state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
-                                             request.sampling_params, request.slo, request.arrival_time),
-                             tuple(request.output_token_ids), tuple(request.token_times), n, assembler.num_sent_chars)
+        state = HandoffState.continuing(request.to_generate_request(), request.output_token_ids, request.token_times,
+                                        assembler.num_sent_chars, num_computed_tokens=n)
         return state, self._kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
 
     def _take_out(self, request: Request) -> OutputAssembler:

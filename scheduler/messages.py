@@ -144,6 +144,14 @@ class HandoffState:
             raise ValueError(f"num_computed_tokens and num_sent_chars must be >= 0, got "
                              f"{self.num_computed_tokens}, {self.num_sent_chars}")
 
+    @classmethod
+    def continuing(cls, request: GenerateRequest, output_token_ids, token_times, num_sent_chars: int,
+                   num_computed_tokens: int = 0) -> "HandoffState":
+        """`request`, continued on another worker after `output_token_ids`. num_computed_tokens: the
+        tokens whose KV rides along (the prefill worker's detach); 0 when none does, and the receiver
+        recomputes the prompt and the output so far (a broken decode stream, a resume after a death)."""
+        return cls(request, tuple(output_token_ids), tuple(token_times), num_computed_tokens, num_sent_chars)
+
 
 @dataclass(frozen=True)
 class HandoffAck:

@@ -141,11 +141,13 @@ def test_adopt_rejects_bad_state(path):
 
     engine = _engine(path)
     with pytest.raises(ValueError, match="output token"):
-        engine.adopt(HandoffState(_request("a"), [], [], 0, 0))
+        engine.adopt(HandoffState.continuing(_request("a"), [], [], 0))
     with pytest.raises(ValueError, match="already finished"):
-        engine.adopt(HandoffState(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], len(PROMPT) + 1, 0))
+        engine.adopt(HandoffState.continuing(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], 0,
+                                                num_computed_tokens=len(PROMPT) + 1))
     with pytest.raises(ValueError, match="unknown model"):
-        engine.adopt(HandoffState(GenerateRequest("c", "nope", PROMPT), [5], [0.0], len(PROMPT), 0))
+        engine.adopt(HandoffState.continuing(GenerateRequest("c", "nope", PROMPT), [5], [0.0], 0,
+                                                num_computed_tokens=len(PROMPT)))
     assert not engine.has_unfinished() and not engine.requests
 
 
@@ -196,7 +198,7 @@ def test_a_decode_worker_refuses_a_model_it_lacks_and_its_stream_ends_with_the_r
     from scheduler.messages import HandoffState
 
     ray, router, prefill, decode = pair
-    state = HandoffState(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0, 0)
+    state = HandoffState.continuing(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0)
 
     async def dispatch():
         ack_ref = decode.adopt_prefilled.remote(state, None)

@@ -241,7 +241,7 @@ class ClusterEngineClient:
         # (prefill/decode split), which still holds it under the old one until it notices.
         sent.num_resumes += 1
         resumed = dataclasses.replace(req, request_id=f"{req.request_id}.resume{sent.num_resumes}")
-        state = HandoffState(resumed, tuple(sent.token_ids), tuple(sent.token_times), 0, sent.num_chars)
+        state = HandoffState.continuing(resumed, sent.token_ids, sent.token_times, sent.num_chars)
         ack = await handle.adopt_prefilled.remote(state, None)   # no KV: the worker recomputes the prefix
         if not ack.adopted and ack.error:
             raise ValueError(ack.error)
