@@ -37,7 +37,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.frame_stream import FrameStream, stream_frames
 from actors.output_stream import TextAssembler
-from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
+from deploy.openai_api.engine_protocol import ServedModel, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame
 from scheduler.routing import NoWorkerError
 from scheduler.slo import SLO
@@ -49,16 +49,16 @@ ROUTER_RECOVERY_S = 15.0
 ROUTER_RETRY_S = 0.2
 
 
-def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
-    """ModelInfo (name, path, max_context) of each name -> checkpoint dir; reads headers only."""
+def served_models(models: Mapping[str, str]) -> list[ServedModel]:
+    """ServedModel (name, path, max_context) of each name -> checkpoint dir; reads headers only."""
     from actors.model_spec import ModelSpec
 
-    return [ModelInfo(name, str(path), ModelSpec.from_dir(path).max_position_embeddings)
+    return [ServedModel(name, str(path), ModelSpec.from_dir(path).max_position_embeddings)
             for name, path in models.items()]
 
 
 class ClusterEngineClient:
-    def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3,
+    def __init__(self, router: Any, models: Mapping[str, str] | list[ServedModel], max_dispatches: int = 3,
                  router_source: Callable[[], Awaitable[Any]] | None = None,
                  router_recovery_s: float = ROUTER_RECOVERY_S) -> None:
         """`router_source()` gives the current router handle after the one held died; it is asked
@@ -68,7 +68,7 @@ class ClusterEngineClient:
             raise ValueError(f"max_dispatches must be >= 1, got {max_dispatches}")
         if router_recovery_s < 0:
             raise ValueError(f"router_recovery_s must be >= 0, got {router_recovery_s}")
-        infos = model_infos(models) if isinstance(models, Mapping) else list(models)
+        infos = served_models(models) if isinstance(models, Mapping) else list(models)
         if not infos:
             raise ValueError("ClusterEngineClient needs at least one model")
         self.router = router
@@ -83,7 +83,7 @@ class ClusterEngineClient:
         self.num_redispatched = 0   # sent again before their first token
         self.num_resumed = 0        # continued on another worker after tokens were sent
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[ServedModel]:
         return list(self._models.values())
 
     def tokenizer(self, model: str) -> Any:
