@@ -37,7 +37,7 @@ from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, HandoffState, OutputFrame,
-                                RegisteredModel)
+                                RegisteredModel, StepRecord)
 from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
@@ -62,7 +62,7 @@ class EngineConfig:
     host_kv_bytes: int = 256 * MiB       # host swap space for preempted KV (0 = recompute instead)
     policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
-    timeline_len: int = 4096             # steps kept for stats/plots (model, start, end, is_prefill)
+    timeline_len: int = 4096             # steps kept for stats/plots (StepRecord: model, start, end, is_prefill)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, packed weights on CPU, CUDA graphs for decode on GPU
@@ -126,7 +126,7 @@ class Engine:
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputAssembler] = {}
-        self.timeline: deque[tuple[str, float, float, bool]] = deque(maxlen=config.timeline_len)
+        self.timeline: deque[StepRecord] = deque(maxlen=config.timeline_len)
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
@@ -480,7 +480,8 @@ class Engine:
         now = self.clock()   # a multi-step run's steps share its time equally in the timeline
         first = now - (end - start)
         for i in range(1, steps + 1):
-            self.timeline.append((output.model, first + (i - 1) * step_s, first + i * step_s, output.is_prefill))
+            self.timeline.append(StepRecord(output.model, first + (i - 1) * step_s, first + i * step_s,
+                                            output.is_prefill))
 
     def stats(self) -> EngineStats:
         queue_depth: dict[str, int] = {}

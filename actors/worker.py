@@ -29,7 +29,8 @@ from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
-                                OutputFrame, RegisteredModel, WorkerHealth, WorkerStats)
+                                OutputFrame, RegisteredModel, StepRecord, WorkerHealth, WorkerStats,
+                                WorkerTelemetry)
 
 logger = logging.getLogger(__name__)
 
@@ -292,10 +293,10 @@ class DeviceWorker:
         problem = self.engine_loop.problem(self.step_bound_s)
         return WorkerHealth(self.worker_id, problem is None, problem or "", os.getpid())
 
-    async def telemetry(self) -> dict:
+    async def telemetry(self) -> WorkerTelemetry:
         return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`
 
-    async def timeline(self) -> list[tuple]:
+    async def timeline(self) -> list[StepRecord]:
         return await self._on_engine(lambda: list(self.engine.timeline))
 
     @contextlib.asynccontextmanager

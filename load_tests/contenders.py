@@ -39,7 +39,7 @@ from typing import AsyncIterator, Sequence
 
 from cluster.planner.metrics import RequestRecord, Turn
 from load_tests.driver import Prompt, Target, TargetError
-from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.messages import GenerateRequest, OutputFrame, StepRecord
 from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
@@ -325,15 +325,15 @@ async def warm_up(target: Target, models: Sequence[str], *, prompt_len: int = 8,
     return errors
 
 
-def turns_from_timelines(timelines: dict[str, list[tuple]], since: float) -> list[Turn]:
-    """DeviceWorker timelines ((model, start, end, is_prefill) per step, wall clock) -> turns in
+def turns_from_timelines(timelines: dict[str, list[StepRecord]], since: float) -> list[Turn]:
+    """DeviceWorker timelines (a StepRecord per step, wall clock) -> turns in
     seconds from wall-clock `since`; consecutive steps of one model on a worker make one turn."""
     turns: list[Turn] = []
     for worker, steps in timelines.items():
-        for model, start, end, _ in steps:
-            if start < since:
+        for step in steps:
+            if step.start < since:
                 continue
-            start, end = start - since, end - since
+            model, start, end = step.model, step.start - since, step.end - since
             if turns and turns[-1].worker == worker and turns[-1].model == model:
                 turns[-1] = Turn(worker, model, turns[-1].start, end)
             else:
