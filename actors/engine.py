@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +63,7 @@ class EngineConfig:
     policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
     timeline_len: int = 4096             # steps kept for stats/plots (StepRecord: model, start, end, is_prefill)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
@@ -77,10 +77,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
-        if isinstance(self.scheduler, Mapping):   # kwargs that crossed a process as plain data
-            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
         if not isinstance(self.scheduler, SchedulerConfig):
-            raise ValueError(f"scheduler must be a SchedulerConfig or a mapping of its fields, got {self.scheduler!r}")
+            raise ValueError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
         if self.kv_bytes < self.slab_bytes:
             raise ValueError(f"kv_bytes ({format_bytes(self.kv_bytes)}) must hold at least one slab "
                              f"({format_bytes(self.slab_bytes)})")

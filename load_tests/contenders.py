@@ -178,13 +178,14 @@ class EngineContender(Contender):
     def _start(self, deployment: Deployment, assignment: dict[str, int], num_workers: int) -> Target:
         import ray
 
+        from actors.engine import EngineConfig
         from actors.worker import DeviceWorker
+        from scheduler.policy import SchedulerConfig
 
         if self.actors:
             raise RuntimeError(f"contender {self.name} is already started")
-        config = {**deployment.engine, "policy": self.policy, "timeline_len": TIMELINE_LEN}
-        if self.scheduler:
-            config["scheduler"] = dict(self.scheduler)
+        config = EngineConfig(**deployment.engine, policy=self.policy, timeline_len=TIMELINE_LEN,
+                              scheduler=SchedulerConfig(**(self.scheduler or {})))
         remote = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
         self.actors = [remote.remote(f"{self.name}-w{i}", config, num_threads=deployment.threads_per_worker)
                        for i in range(num_workers)]

@@ -158,11 +158,12 @@ def test_adopt_rejects_bad_state(path):
 def pair(ray_session, path):
     ray = ray_session
     from cluster.router import GlobalRouter
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
-    prefill = make.remote("pre", ENGINE, num_threads=1, shared_kv=True)
-    decode = make.remote("dec", ENGINE, num_threads=1, shared_kv=True)
+    prefill = make.remote("pre", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
+    decode = make.remote("dec", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
     router = GlobalRouter.remote(poll_interval_s=0.2)
     ray.get([h.register_model.remote(MODEL, str(path)) for h in (prefill, decode)])
     ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode"), prefill.set_router.remote(router)])
@@ -224,11 +225,12 @@ def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, pa
     """Two CUDA workers on one GPU node: CUDA IPC when cupy is there, else the shm staging path."""
     ray = ray_session
     from cluster.router import GlobalRouter
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     make = ray.remote(num_gpus=0, num_cpus=0)(DeviceWorker).options(runtime_env=env)
-    config = {**ENGINE, "device": "cuda"}
+    config = EngineConfig(**ENGINE, device="cuda")
     prefill, decode = make.remote("gpre", config, node_id="n"), make.remote("gdec", config, node_id="n")
     router = GlobalRouter.remote(poll_interval_s=0.2)
     try:

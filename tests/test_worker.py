@@ -19,9 +19,10 @@ CONFIG = {"budget_bytes": 64 * MiB, "kv_bytes": 16 * MiB, "num_slots": 2, "slab_
 def worker(ray_session, zoo_model):
     import ray
 
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
-    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w0", CONFIG, num_threads=1)
+    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w0", EngineConfig(**CONFIG), num_threads=1)
     ray.get(actor.ready.remote())
     for name in ("llama-tiny-a", "qwen2-tiny-b"):
         ray.get(actor.register_model.remote(name, str(zoo_model(name))))
