@@ -1,6 +1,7 @@
 """Typed messages that cross process and actor boundaries: one schema, one producer each.
 
-    data plane     GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
+    data plane     IngressRequest    in-cluster caller -> ingress  (deploy/client/transports.py, a Serve handle)
+                   GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
                    OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py)
                    HandoffState      prefill worker -> decode worker, with the KV descriptor (actors/engine.py)
                    HandoffAck        decode worker -> prefill worker, first item of its stream (actors/worker.py)
@@ -34,6 +35,28 @@ from scheduler.slo import SLO
 
 if TYPE_CHECKING:
     from scheduler.placement import ModelLoad, PlacementPlan
+
+
+# The OpenAI routes an in-cluster caller may name, as the HTTP edge serves them.
+INGRESS_ENDPOINTS = ("completions", "chat.completions")
+
+
+@dataclass(frozen=True)
+class IngressRequest:
+    """An OpenAI request for the ingress's `generate_frames` over a Serve handle (producer: the
+    client's handle transports, deploy/client/transports.py). `body` is the OpenAI request body
+    as HTTP carries it; the answer is the chunks the SSE stream carries (an error: one chunk
+    with its `status`)."""
+
+    endpoint: str
+    body: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in INGRESS_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(INGRESS_ENDPOINTS)}; got {self.endpoint!r}")
+        if not isinstance(self.body, Mapping):
+            raise ValueError(f"body must be a mapping (the OpenAI request body), got {type(self.body).__name__}")
+        object.__setattr__(self, "body", dict(self.body))
 
 
 @dataclass(frozen=True)

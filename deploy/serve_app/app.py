@@ -28,7 +28,7 @@ from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
-from scheduler.messages import ClusterStatus
+from scheduler.messages import ClusterStatus, IngressRequest
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class TokenmuxIngress:
     def __serve_build_asgi_app__(self):
         return self._openai_app
 
-    async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
+    async def generate_frames(self, request: IngressRequest) -> AsyncIterator[dict]:
         async for chunk in self.core.generate_frames(request):
             yield chunk
 
