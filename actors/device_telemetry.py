@@ -20,25 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+
+from scheduler.messages import DeviceReading
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeviceReading:
-    device: str                     # label: gpu<NVML index>, or the worker's device name when virtual
-    virtual: bool
-    utilization: float              # 0-1
-    memory_used_bytes: int
-    memory_total_bytes: int
-    power_watts: float | None = None
-    temperature_celsius: float | None = None
-    pcie_rx_bytes_per_s: float | None = None   # host -> device
-    pcie_tx_bytes_per_s: float | None = None   # device -> host
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class ProcessSampler:

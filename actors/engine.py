@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, HandoffState, OutputFrame,
-                                RegisteredModel)
+                                RegisteredModel, StepRecord)
 from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
 from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
@@ -62,8 +62,8 @@ class EngineConfig:
     host_kv_bytes: int = 256 * MiB       # host swap space for preempted KV (0 = recompute instead)
     policy: str = "token"                # a name in scheduler.policy_registry.POLICIES
     dtype: str | None = None             # None = the checkpoint's dtype
-    timeline_len: int = 4096             # steps kept for stats/plots (model, start, end, is_prefill)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)   # a mapping of its fields is taken too
+    timeline_len: int = 4096             # steps kept for stats/plots (StepRecord: model, start, end, is_prefill)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # "reference": transformers' arithmetic, token for token (the oracle tests); "fast":
     # fused q/k/v and gate/up, packed weights on CPU, CUDA graphs for decode on GPU
     # (actors/kernel_path.py). bf16 on CPU (dtype="bfloat16") needs AVX512-BF16 or AMX.
@@ -77,10 +77,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
-        if isinstance(self.scheduler, Mapping):   # kwargs that crossed a process as plain data
-            object.__setattr__(self, "scheduler", SchedulerConfig(**self.scheduler))
         if not isinstance(self.scheduler, SchedulerConfig):
-            raise ValueError(f"scheduler must be a SchedulerConfig or a mapping of its fields, got {self.scheduler!r}")
+            raise ValueError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
         if self.kv_bytes < self.slab_bytes:
             raise ValueError(f"kv_bytes ({format_bytes(self.kv_bytes)}) must hold at least one slab "
                              f"({format_bytes(self.slab_bytes)})")
@@ -126,7 +124,7 @@ class Engine:
         self.models: dict[str, LoadedModel] = {}
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputAssembler] = {}
-        self.timeline: deque[tuple[str, float, float, bool]] = deque(maxlen=config.timeline_len)
+        self.timeline: deque[StepRecord] = deque(maxlen=config.timeline_len)
         self.num_steps = 0
         self.forward_seconds = 0.0
         self.step_seconds = 0.0
@@ -390,9 +388,8 @@ class Engine:
                 return None
             assembler = self._take_out(request)
         n = request.num_computed_tokens
-        state = HandoffState(GenerateRequest(request.request_id, request.model, tuple(request.prompt_token_ids),
-                                             request.sampling_params, request.slo, request.arrival_time),
-                             tuple(request.output_token_ids), tuple(request.token_times), n, assembler.num_sent_chars)
+        state = HandoffState.continuing(request.to_generate_request(), request.output_token_ids, request.token_times,
+                                        assembler.num_sent_chars, num_computed_tokens=n)
         return state, self._kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
 
     def _take_out(self, request: Request) -> OutputAssembler:
@@ -481,7 +478,8 @@ class Engine:
         now = self.clock()   # a multi-step run's steps share its time equally in the timeline
         first = now - (end - start)
         for i in range(1, steps + 1):
-            self.timeline.append((output.model, first + (i - 1) * step_s, first + i * step_s, output.is_prefill))
+            self.timeline.append(StepRecord(output.model, first + (i - 1) * step_s, first + i * step_s,
+                                            output.is_prefill))
 
     def stats(self) -> EngineStats:
         queue_depth: dict[str, int] = {}

@@ -193,7 +193,7 @@ class HandoffRelay:
                     logger.warning("decode worker %s failed mid-stream for %s (%s); recomputing here",
                                    target.worker_id, request.request_id, exc)
             # The decode stream broke: recompute what was relayed and decode the rest here.
-            retry = HandoffState(state.request, tuple(sent_tokens), (), 0, sent_chars)
+            retry = HandoffState.continuing(state.request, sent_tokens, (), sent_chars)
             try:
                 await self._on_engine(self.kv.adopt, retry, None)
             except ValueError as exc:

@@ -29,7 +29,8 @@ from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
-                                OutputFrame, RegisteredModel, WorkerHealth, WorkerStats)
+                                OutputFrame, RegisteredModel, StepRecord, WorkerHealth, WorkerStats,
+                                WorkerTelemetry)
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +165,18 @@ def _lower_priority(nice: int) -> None:
 class DeviceWorker:
     """One per device. Methods are async; the engine never blocks the actor's event loop."""
 
-    def __init__(self, worker_id: str, config: EngineConfig | dict | None = None, num_threads: int | None = None,
+    def __init__(self, worker_id: str, config: EngineConfig | None = None, num_threads: int | None = None,
                  node_id: str | None = None, shared_kv: bool = False, step_bound_s: float = STEP_BOUND_S,
                  engine_nice: int = 0):
-        """config: an EngineConfig or its kwargs. shared_kv: on a CPU device, keep the KV pool in a
+        """config: the engine's (None: EngineConfig()). shared_kv: on a CPU device, keep the KV pool in a
         node-shared region (/dev/shm), so a same-node KV handoff exports without a copy.
         step_bound_s: the watchdog's bound on one engine step (see `health`). engine_nice: how much
         lower the engine thread's CPU priority is than the worker's (see EngineLoop)."""
         if not step_bound_s > 0:
             raise ValueError(f"step_bound_s must be > 0, got {step_bound_s!r}")
+        engine_config = EngineConfig() if config is None else config
+        if not isinstance(engine_config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         import torch
 
         if num_threads:
@@ -181,7 +185,6 @@ class DeviceWorker:
         self.step_bound_s = step_bound_s
         self.node_id = node_id or _current_node_id() or ""
         self.role = "mixed"
-        engine_config = config if isinstance(config, EngineConfig) else EngineConfig(**(config or {}))
         device_kind = "cuda" if torch.device(engine_config.device).type == "cuda" else "cpu"
         self.transfers = KVTransfers(worker_id, self.node_id, device_kind)
         kv_buffer = None
@@ -292,10 +295,10 @@ class DeviceWorker:
         problem = self.engine_loop.problem(self.step_bound_s)
         return WorkerHealth(self.worker_id, problem is None, problem or "", os.getpid())
 
-    async def telemetry(self) -> dict:
+    async def telemetry(self) -> WorkerTelemetry:
         return self.metrics.summary()   # totals and gauges for `tokenmux status --watch`
 
-    async def timeline(self) -> list[tuple]:
+    async def timeline(self) -> list[StepRecord]:
         return await self._on_engine(lambda: list(self.engine.timeline))
 
     @contextlib.asynccontextmanager

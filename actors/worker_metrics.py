@@ -10,8 +10,9 @@ latest), so no value is lost, and the ~800 Ray calls of a flush (8 models x 5 hi
 their buckets) are not made ten times for one export. The engine thread never makes a Ray
 metrics call; per token it appends one float to a list.
 
-`summary()` keeps running totals for `tokenmux status --watch` (tokens and swaps so far,
-alpha, KV usage, the latest device reading), so the live view needs no Prometheus.
+`summary()` is a WorkerTelemetry (scheduler/messages.py): running totals for `tokenmux status
+--watch` (tokens and swaps so far, alpha, KV usage, the latest device reading), so the live
+view needs no Prometheus.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from actors.device_telemetry import device_sampler, export_reading
 from actors.engine_metrics import export_sample
 from actors.metrics import MetricsExporter
 from actors.periodic import PeriodicThread
+from scheduler.messages import WorkerTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class WorkerMetrics:
         self.device = device_sampler(engine.config.device, worker_id.rsplit("-", 1)[-1],
                                      engine.memory.total_bytes, num_threads)
         self.totals = {"generation_tokens": 0, "prompt_tokens": 0, "swaps": 0, "switches": 0, "finished": 0}
-        self.latest: dict = {"time": time.time(), "alpha": None, "kv_usage": 0.0, "device": None}
+        self.latest = WorkerTelemetry(worker_id, time.time())
         self.num_flushes = self.num_exports = 0
         self._pending = None   # the samples taken since the last export, merged
         self._reading = None   # the latest device reading
@@ -75,8 +77,8 @@ class WorkerMetrics:
             t["switches"] += acc.switches
             t["finished"] += sum(acc.finished.values())
         t["swaps"] += sum(sample.swaps.values())
-        self.latest = {"time": time.time(), "alpha": sample.alpha, "kv_usage": sample.kv_usage,
-                       "device": reading.to_dict() if reading is not None else None}
+        self.latest = WorkerTelemetry(self.worker_id, time.time(), **t, alpha=sample.alpha, kv_usage=sample.kv_usage,
+                                      device=reading)
         self.num_flushes += 1
         self._pending = sample if self._pending is None else self._pending.merge(sample)
         if export or (export is None and time.monotonic() - self._exported_at >= self.export_interval_s - 1e-3):
@@ -92,9 +94,9 @@ class WorkerMetrics:
             export_reading(self._reading, self.exporter, self.worker_id)
         self.num_exports += 1
 
-    def summary(self) -> dict:
-        """Running totals and the latest gauges (a plain dict: it crosses the actor boundary)."""
-        return {"worker_id": self.worker_id, **self.totals, **self.latest}
+    def summary(self) -> WorkerTelemetry:
+        """Running totals and the latest gauges, as of the latest flush."""
+        return self.latest
 
     def stop(self) -> None:
         self._thread.stop(timeout_s=5)

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.node_watcher import NodeWatcher
 from cluster.placement_service import get_or_create_placement
@@ -35,6 +35,9 @@ from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
 from scheduler.slo import SLO
 
+if TYPE_CHECKING:
+    from actors.engine import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 180.0
@@ -42,10 +45,17 @@ CALL_TIMEOUT_S = 30.0
 VIRTUAL_ENGINE_NICE = 10  # a virtual device's engine thread yields the host's cores to the edge (EngineLoop)
 
 
+def _default_engine() -> "EngineConfig":
+    from actors.engine import EngineConfig   # torch comes with it: imported where workers start
+
+    return EngineConfig()
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     models: dict[str, str]                 # name -> local checkpoint dir
-    engine: dict = field(default_factory=dict)   # EngineConfig kwargs for every worker
+    engine: "EngineConfig" = field(default_factory=_default_engine)   # every worker's, but its device (below)
+    device: str | None = None              # workers' device (None: cuda on a node with a GPU, else cpu)
     devices_per_node: int | None = None    # workers per node (None: every GPU Ray sees there)
     threads_per_worker: int | None = None  # torch threads per worker (None: node cores // devices)
     slo: SLO = field(default_factory=SLO)
@@ -83,10 +93,11 @@ class TopologyConfig:
         if self.engine_nice is not None and (not isinstance(self.engine_nice, int) or isinstance(self.engine_nice, bool)
                                              or not 0 <= self.engine_nice <= 19):
             raise ValueError(f"TopologyConfig.engine_nice must be an int in 0..19 or None, got {self.engine_nice!r}")
-        from actors.engine import EngineConfig   # validates the kwargs (names and values)
+        from actors.engine import EngineConfig
 
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"TopologyConfig.engine must be an EngineConfig, got {type(self.engine).__name__}")
         try:
-            EngineConfig(**self.engine)
             PlacementConfig(**self.placement)
             RoutingConfig(**self.routing)
         except TypeError as exc:
@@ -327,12 +338,12 @@ def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
     if count == 0:
         return []
     real_gpu = any(k.startswith("accelerator_type:") for k in node.resources)
-    device = config.engine.get("device") or ("cuda" if real_gpu else "cpu")
+    device = config.device or ("cuda" if real_gpu else "cpu")
     threads = config.threads_per_worker or max(1, int(node.num_cpus) // count)
     engine_nice = config.engine_nice if config.engine_nice is not None else VIRTUAL_ENGINE_NICE if device == "cpu" else 0
     short = node.node_id[:8]
     return [{"worker_id": f"{short}-gpu{i}", "node_id": node.node_id,
-             "engine": {**config.engine, "device": device}, "num_threads": threads,
+             "engine": dataclasses.replace(config.engine, device=device), "num_threads": threads,
              "shared_kv": config.shared_kv and device == "cpu", "step_bound_s": config.step_bound_s,
              "engine_nice": engine_nice}
             for i in range(count)]
@@ -404,7 +415,6 @@ def _spawn(spec: dict, config: TopologyConfig):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     options: dict = {"num_gpus": 1, "num_cpus": 0,
@@ -412,7 +422,7 @@ def _spawn(spec: dict, config: TopologyConfig):
     if config.detached:
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
-        spec["worker_id"], EngineConfig(**spec["engine"]), num_threads=spec["num_threads"], node_id=spec["node_id"],
+        spec["worker_id"], spec["engine"], num_threads=spec["num_threads"], node_id=spec["node_id"],
         step_bound_s=spec["step_bound_s"], engine_nice=spec["engine_nice"],
         **({"shared_kv": True} if spec["shared_kv"] else {}))
 

@@ -39,7 +39,7 @@ from typing import AsyncIterator, Sequence
 
 from cluster.planner.metrics import RequestRecord, Turn
 from load_tests.driver import Prompt, Target, TargetError
-from scheduler.messages import GenerateRequest, OutputFrame
+from scheduler.messages import GenerateRequest, OutputFrame, StepRecord
 from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
@@ -178,13 +178,14 @@ class EngineContender(Contender):
     def _start(self, deployment: Deployment, assignment: dict[str, int], num_workers: int) -> Target:
         import ray
 
+        from actors.engine import EngineConfig
         from actors.worker import DeviceWorker
+        from scheduler.policy import SchedulerConfig
 
         if self.actors:
             raise RuntimeError(f"contender {self.name} is already started")
-        config = {**deployment.engine, "policy": self.policy, "timeline_len": TIMELINE_LEN}
-        if self.scheduler:
-            config["scheduler"] = dict(self.scheduler)
+        config = EngineConfig(**deployment.engine, policy=self.policy, timeline_len=TIMELINE_LEN,
+                              scheduler=SchedulerConfig(**(self.scheduler or {})))
         remote = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
         self.actors = [remote.remote(f"{self.name}-w{i}", config, num_threads=deployment.threads_per_worker)
                        for i in range(num_workers)]
@@ -325,15 +326,15 @@ async def warm_up(target: Target, models: Sequence[str], *, prompt_len: int = 8,
     return errors
 
 
-def turns_from_timelines(timelines: dict[str, list[tuple]], since: float) -> list[Turn]:
-    """DeviceWorker timelines ((model, start, end, is_prefill) per step, wall clock) -> turns in
+def turns_from_timelines(timelines: dict[str, list[StepRecord]], since: float) -> list[Turn]:
+    """DeviceWorker timelines (a StepRecord per step, wall clock) -> turns in
     seconds from wall-clock `since`; consecutive steps of one model on a worker make one turn."""
     turns: list[Turn] = []
     for worker, steps in timelines.items():
-        for model, start, end, _ in steps:
-            if start < since:
+        for step in steps:
+            if step.start < since:
                 continue
-            start, end = start - since, end - since
+            model, start, end = step.model, step.start - since, step.end - since
             if turns and turns[-1].worker == worker and turns[-1].model == model:
                 turns[-1] = Turn(worker, model, turns[-1].start, end)
             else:

@@ -55,7 +55,7 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
 
     from actors.engine import Engine, EngineConfig
     from actors.model_spec import ModelSpec
-    from scheduler.messages import GenerateRequest
+    from scheduler.messages import GenerateRequest, StepRecord
     from scheduler.sampling_params import SamplingParams
 
     for label, values in (("inputs", inputs), ("batches", batches)):
@@ -84,7 +84,7 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
         engine.register_model("b", model_dir)
         counter = [0]
 
-        def run(n: int, b: int, max_tokens: int) -> list[tuple]:
+        def run(n: int, b: int, max_tokens: int) -> list[StepRecord]:
             engine.timeline.clear()
             for _ in range(b):
                 k = counter[0]
@@ -102,8 +102,8 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
                 prefills, decodes = [], []
                 for _ in range(repeats):
                     steps = run(n, b, decode_steps + 1)
-                    prefills += [end - start for _, start, end, pre in steps if pre]
-                    decodes.append(statistics.median(end - start for _, start, end, pre in steps if not pre))
+                    prefills += [s.seconds for s in steps if s.is_prefill]
+                    decodes.append(statistics.median(s.seconds for s in steps if not s.is_prefill))
                 (out / f"i{n}b{b}.json").write_text(json.dumps(_entry(prefills, decodes), indent=2) + "\n")
         switches = []
         for i in range(2 * repeats + 1):

@@ -78,7 +78,7 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     import torch
 
     from actors.engine import Engine, EngineConfig
-    from scheduler.messages import GenerateRequest
+    from scheduler.messages import GenerateRequest, StepRecord
     from scheduler.sampling_params import SamplingParams
 
     for name, v in (("prompt_len", prompt_len), ("batch_size", batch_size),
@@ -96,7 +96,7 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
         engine.register_model("b", str(model_path))
         n = 0
 
-        def run(num_requests: int, max_tokens: int) -> list[tuple]:
+        def run(num_requests: int, max_tokens: int) -> list[StepRecord]:
             nonlocal n
             engine.timeline.clear()
             for _ in range(num_requests):
@@ -110,10 +110,9 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
 
         run(1, 2)  # warm-up: first touches of the weights and the KV pool
         run(batch_size, 9)   # and of the decode shapes (one full multi-step run)
-        prefills = [end - start for _ in range(repeats)
-                    for _, start, end, is_prefill in run(1, 1) if is_prefill]
-        rounds = [[end - start for _, start, end, is_prefill in run(batch_size, num_decode_steps + 1)
-                   if not is_prefill] for _ in range(repeats)]
+        prefills = [s.seconds for _ in range(repeats) for s in run(1, 1) if s.is_prefill]
+        rounds = [[s.seconds for s in run(batch_size, num_decode_steps + 1) if not s.is_prefill]
+                  for _ in range(repeats)]
         switches = []
         for i in range(2 * repeats + 1):
             t0 = time.perf_counter()

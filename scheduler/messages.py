@@ -1,6 +1,7 @@
 """Typed messages that cross process and actor boundaries: one schema, one producer each.
 
-    data plane     GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
+    data plane     IngressRequest    in-cluster caller -> ingress  (deploy/client/transports.py, a Serve handle)
+                   GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
                    OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py)
                    HandoffState      prefill worker -> decode worker, with the KV descriptor (actors/engine.py)
                    HandoffAck        decode worker -> prefill worker, first item of its stream (actors/worker.py)
@@ -11,6 +12,8 @@
                    PlacementPlan     placement -> router           (scheduler/placement.py, the plan update)
                    RouterStatus      router -> status              (cluster/router.py)
                    WorkerHealth      worker -> supervisor          (actors/worker.py, the watchdog)
+                   WorkerTelemetry   worker -> `status --watch`    (actors/worker_metrics.py, with a DeviceReading)
+                   StepRecord        worker -> load tests, demo    (actors/engine.py, the timeline: one per step)
                    WorkerReplacement supervisor -> status          (cluster/supervisor.py)
                    ClusterStatus     topology -> `tokenmux status` (cluster/topology.py)
 
@@ -32,6 +35,28 @@ from scheduler.slo import SLO
 
 if TYPE_CHECKING:
     from scheduler.placement import ModelLoad, PlacementPlan
+
+
+# The OpenAI routes an in-cluster caller may name, as the HTTP edge serves them.
+INGRESS_ENDPOINTS = ("completions", "chat.completions")
+
+
+@dataclass(frozen=True)
+class IngressRequest:
+    """An OpenAI request for the ingress's `generate_frames` over a Serve handle (producer: the
+    client's handle transports, deploy/client/transports.py). `body` is the OpenAI request body
+    as HTTP carries it; the answer is the chunks the SSE stream carries (an error: one chunk
+    with its `status`)."""
+
+    endpoint: str
+    body: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in INGRESS_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(INGRESS_ENDPOINTS)}; got {self.endpoint!r}")
+        if not isinstance(self.body, Mapping):
+            raise ValueError(f"body must be a mapping (the OpenAI request body), got {type(self.body).__name__}")
+        object.__setattr__(self, "body", dict(self.body))
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,14 @@ class HandoffState:
         if self.num_computed_tokens < 0 or self.num_sent_chars < 0:
             raise ValueError(f"num_computed_tokens and num_sent_chars must be >= 0, got "
                              f"{self.num_computed_tokens}, {self.num_sent_chars}")
+
+    @classmethod
+    def continuing(cls, request: GenerateRequest, output_token_ids, token_times, num_sent_chars: int,
+                   num_computed_tokens: int = 0) -> "HandoffState":
+        """`request`, continued on another worker after `output_token_ids`. num_computed_tokens: the
+        tokens whose KV rides along (the prefill worker's detach); 0 when none does, and the receiver
+        recomputes the prompt and the output so far (a broken decode stream, a resume after a death)."""
+        return cls(request, tuple(output_token_ids), tuple(token_times), num_computed_tokens, num_sent_chars)
 
 
 @dataclass(frozen=True)
@@ -367,6 +400,60 @@ class WorkerHealth:
             raise ValueError(f"healthy must be a bool, got {self.healthy!r}")
         if self.healthy and self.reason:
             raise ValueError("a healthy worker has no reason")
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One sample of a worker's device (producer: actors/device_telemetry.py's samplers)."""
+
+    device: str                     # label: gpu<NVML index>, or the worker's device name when virtual
+    virtual: bool
+    utilization: float              # 0-1
+    memory_used_bytes: int
+    memory_total_bytes: int
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    pcie_rx_bytes_per_s: float | None = None   # host -> device
+    pcie_tx_bytes_per_s: float | None = None   # device -> host
+
+
+@dataclass(frozen=True)
+class WorkerTelemetry:
+    """A worker's running totals since it started and its latest gauges, for `tokenmux status
+    --watch` (producer: WorkerMetrics.summary, actors/worker_metrics.py, sent by
+    DeviceWorker.telemetry); the watcher turns two of them into rates."""
+
+    worker_id: str
+    time: float                     # wall clock (time.time()) of the latest sample
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    swaps: int = 0
+    switches: int = 0
+    finished: int = 0
+    alpha: float | None = None      # quota rule's alpha of the latest round (token-level policy)
+    kv_usage: float = 0.0           # share of the KV pool in use, 0-1
+    device: DeviceReading | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must be non-empty")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, wall clock (producer: Engine, one per step into its timeline; read through
+    DeviceWorker.timeline). A multi-step run's steps share its time equally."""
+
+    model: str
+    start: float
+    end: float
+    is_prefill: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 @dataclass(frozen=True)

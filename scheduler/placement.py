@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """A model's size and step costs: what placement packs by (the edge's view is ServedModel)."""
+
     weight_bytes: int
     kv_bytes_per_token: int = 0
     # Step costs on a worker, for SLO-aware packing; 0 = unknown (measured step times or defaults).

@@ -81,6 +81,11 @@ class Request:
             eos_token_ids=tuple(eos_token_ids),
         )
 
+    def to_generate_request(self) -> GenerateRequest:
+        """The GenerateRequest this was made from (what a KV handoff sends on)."""
+        return GenerateRequest(self.request_id, self.model, tuple(self.prompt_token_ids), self.sampling_params,
+                               self.slo, self.arrival_time)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

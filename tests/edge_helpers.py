@@ -10,7 +10,7 @@ from typing import Iterator
 import uvicorn
 
 from actors.zoo.zoo import ensure_model
-from deploy.openai_api.engine_protocol import ModelInfo
+from deploy.openai_api.engine_protocol import ServedModel
 from fakes import FakeEngineClient
 from polling import wait_until
 from deploy.openai_api.ingress import build_ingress_app
@@ -22,8 +22,8 @@ MAX_CONTEXT = 256
 MAX_TOKENS_CAP = 128
 
 
-def zoo_models() -> list[ModelInfo]:
-    return [ModelInfo(name, str(ensure_model(name)), MAX_CONTEXT) for name in (MODEL, OTHER_MODEL)]
+def zoo_models() -> list[ServedModel]:
+    return [ServedModel(name, str(ensure_model(name)), MAX_CONTEXT) for name in (MODEL, OTHER_MODEL)]
 
 
 def make_engine(**kwargs) -> FakeEngineClient:

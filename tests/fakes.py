@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from actors.output_stream import OutputAssembler
-from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
+from deploy.openai_api.engine_protocol import ServedModel, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 from scheduler.request import Request, RequestStatus
 
@@ -25,7 +25,7 @@ class FakeEngineClient:
 
     worker_id = "fake-0"
 
-    def __init__(self, models: list[ModelInfo], tokens_per_frame: int = 2,
+    def __init__(self, models: list[ServedModel], tokens_per_frame: int = 2,
                  frame_interval_s: float = 0.0, fail_after_tokens: int | None = None,
                  fail_by_raising: bool = False) -> None:
         if tokens_per_frame <= 0:
@@ -41,7 +41,7 @@ class FakeEngineClient:
         self.active: set[str] = set()
         self.num_generated: dict[str, int] = {}
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[ServedModel]:
         return list(self._models.values())
 
     def tokenizer(self, model: str) -> Any:

@@ -90,6 +90,7 @@ def main() -> dict:
     from ray.cluster_utils import Cluster
 
     from actors.zoo.zoo import ensure_model
+    from actors.engine import EngineConfig
     from cluster.topology import TopologyConfig, bring_up
     from scheduler.slo import SLO
 
@@ -107,8 +108,9 @@ def main() -> dict:
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     topo = None
     try:
-        config = TopologyConfig(models=paths, engine=ENGINE, threads_per_worker=1, placement=PLACEMENT,
-                                routing={"hot_load": 1}, placement_interval_s=60.0, watch_interval_s=0.5,
+        config = TopologyConfig(models=paths, engine=EngineConfig(**ENGINE), threads_per_worker=1,
+                                placement=PLACEMENT, routing={"hot_load": 1}, placement_interval_s=60.0,
+                                watch_interval_s=0.5,
                                 supervise=False,   # step 5 watches a killed worker leave (and prune_dead)
                                 slo=SLO(ttft_s=0.2, tbt_s=0.5))   # a tight SLO: load spreads early
         topo = bring_up(config)

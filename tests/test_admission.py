@@ -15,6 +15,7 @@ from deploy.openai_api.admission import Admission, AdmissionConfig
 from deploy.openai_api.config import IngressConfig
 from deploy.openai_api.errors import OpenAIError
 from deploy.openai_api.ingress import OpenAIIngress
+from scheduler.messages import IngressRequest
 from edge_helpers import MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine, running_server
 
 
@@ -190,7 +191,7 @@ def test_a_client_asking_for_an_impossible_ttft_slo_does_not_lower_the_limit_for
 
     async def run() -> None:
         async def one(body: dict) -> None:
-            async for _ in ingress.generate_frames({"endpoint": "completions", "body": body}):
+            async for _ in ingress.generate_frames(IngressRequest("completions", body)):
                 pass
         tight = {"model": MODEL, "prompt": "x", "max_tokens": 2, "ttft_slo_s": 0.001}
         await asyncio.gather(*(one(tight) for _ in range(6)))
@@ -292,7 +293,7 @@ def test_in_cluster_callers_get_the_429_as_an_error_chunk():
     async def run() -> list[list[dict]]:
         async def collect() -> list[dict]:
             return [c async for c in ingress.generate_frames(
-                {"endpoint": "completions", "body": {"model": MODEL, "prompt": "x", "max_tokens": 2}})]
+                IngressRequest("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}))]
         return await asyncio.gather(collect(), collect())
 
     served, refused = sorted(asyncio.run(run()), key=lambda chunks: "error" in chunks[0])   # either may win

@@ -25,6 +25,7 @@ def cluster(ray_session, zoo_model):
     import ray
 
     from cluster.router import GlobalRouter
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     path = str(zoo_model(MODEL))
@@ -35,7 +36,8 @@ def cluster(ray_session, zoo_model):
         actors.append(router)
         workers = {}
         for i in range(num_workers):
-            w = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"w{i}", CONFIG, num_threads=1)
+            w = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"w{i}", EngineConfig(**CONFIG),
+                                                                        num_threads=1)
             actors.append(w)
             workers[f"w{i}"] = w
         ray.get([w.ready.remote() for w in workers.values()])

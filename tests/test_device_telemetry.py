@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from actors.device_telemetry import DeviceReading, NvmlSampler, ProcessSampler, device_sampler, export_reading
+from actors.device_telemetry import NvmlSampler, ProcessSampler, device_sampler, export_reading
+from scheduler.messages import DeviceReading
 from tests.test_engine_metrics import RecordingExporter
 
 

@@ -12,6 +12,7 @@ from actors.engine import Engine, EngineConfig
 from actors.weight_layout import WeightLayout
 from actors.zoo.zoo import TINY_MODELS
 from scheduler.messages import GenerateRequest
+from scheduler.policy import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
 MiB = 1 << 20
@@ -52,7 +53,7 @@ def _engine(paths: dict, num_slots: int, kv_bytes: int = 16 * MiB, slab_bytes: i
     slot = max(WeightLayout.from_dir(p).total_bytes for p in paths.values())
     config = EngineConfig(budget_bytes=kv_bytes + num_slots * (slot + 4096), kv_bytes=kv_bytes,
                           num_slots=num_slots, slab_bytes=slab_bytes, host_kv_bytes=host_kv_bytes,
-                          policy=policy, scheduler=scheduler)
+                          policy=policy, scheduler=SchedulerConfig(**scheduler))
     engine = Engine(config)
     for name, path in paths.items():
         engine.register_model(name, path)

@@ -205,7 +205,7 @@ def test_the_worker_samples_every_flush_but_exports_merged_samples_at_the_export
         for i in range(3):   # three flushes between two exports
             _run(engine, [_req(f"m{i}-{m}", m, 5) for m in ("a", "b")])
             metrics.flush()
-            assert metrics.summary()["generation_tokens"] == (i + 1) * 2 * 5   # the live view: every flush
+            assert metrics.summary().generation_tokens == (i + 1) * 2 * 5   # the live view: every flush
         assert out.calls == [] and metrics.num_exports == 0
         metrics.flush(export=True)
         assert metrics.num_exports == 1

@@ -141,11 +141,13 @@ def test_adopt_rejects_bad_state(path):
 
     engine = _engine(path)
     with pytest.raises(ValueError, match="output token"):
-        engine.adopt(HandoffState(_request("a"), [], [], 0, 0))
+        engine.adopt(HandoffState.continuing(_request("a"), [], [], 0))
     with pytest.raises(ValueError, match="already finished"):
-        engine.adopt(HandoffState(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], len(PROMPT) + 1, 0))
+        engine.adopt(HandoffState.continuing(_request("b", max_tokens=2), [5, 6], [0.0, 0.0], 0,
+                                                num_computed_tokens=len(PROMPT) + 1))
     with pytest.raises(ValueError, match="unknown model"):
-        engine.adopt(HandoffState(GenerateRequest("c", "nope", PROMPT), [5], [0.0], len(PROMPT), 0))
+        engine.adopt(HandoffState.continuing(GenerateRequest("c", "nope", PROMPT), [5], [0.0], 0,
+                                                num_computed_tokens=len(PROMPT)))
     assert not engine.has_unfinished() and not engine.requests
 
 
@@ -156,11 +158,12 @@ def test_adopt_rejects_bad_state(path):
 def pair(ray_session, path):
     ray = ray_session
     from cluster.router import GlobalRouter
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
-    prefill = make.remote("pre", ENGINE, num_threads=1, shared_kv=True)
-    decode = make.remote("dec", ENGINE, num_threads=1, shared_kv=True)
+    prefill = make.remote("pre", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
+    decode = make.remote("dec", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
     router = GlobalRouter.remote(poll_interval_s=0.2)
     ray.get([h.register_model.remote(MODEL, str(path)) for h in (prefill, decode)])
     ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode"), prefill.set_router.remote(router)])
@@ -196,7 +199,7 @@ def test_a_decode_worker_refuses_a_model_it_lacks_and_its_stream_ends_with_the_r
     from scheduler.messages import HandoffState
 
     ray, router, prefill, decode = pair
-    state = HandoffState(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0, 0)
+    state = HandoffState.continuing(GenerateRequest("refused", "nope", PROMPT), [5], [0.0], 0)
 
     async def dispatch():
         ack_ref = decode.adopt_prefilled.remote(state, None)
@@ -222,11 +225,12 @@ def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, pa
     """Two CUDA workers on one GPU node: CUDA IPC when cupy is there, else the shm staging path."""
     ray = ray_session
     from cluster.router import GlobalRouter
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     make = ray.remote(num_gpus=0, num_cpus=0)(DeviceWorker).options(runtime_env=env)
-    config = {**ENGINE, "device": "cuda"}
+    config = EngineConfig(**ENGINE, device="cuda")
     prefill, decode = make.remote("gpre", config, node_id="n"), make.remote("gdec", config, node_id="n")
     router = GlobalRouter.remote(poll_interval_s=0.2)
     try:

@@ -14,7 +14,7 @@ from deploy.openai_api.ingress import OpenAIIngress
 from deploy.openai_api.config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
                           running_server, wait_until, zoo_models)
-from scheduler.messages import OutputFrame
+from scheduler.messages import IngressRequest, OutputFrame
 
 
 @pytest.fixture(scope="module")
@@ -288,23 +288,22 @@ def test_unknown_route_is_an_openai_error(http):
 def test_generate_frames_is_the_stream_for_in_cluster_callers(engine, tok):
     ingress = OpenAIIngress(engine, IngressConfig(max_tokens_cap=MAX_TOKENS_CAP, default_max_tokens=16))
 
-    async def collect(request: dict) -> list[dict]:
+    async def collect(request: IngressRequest) -> list[dict]:
         return [chunk async for chunk in ingress.generate_frames(request)]
 
     prompt = "through a handle"
-    chunks = asyncio.run(collect({"endpoint": "completions",
-                                  "body": {"model": MODEL, "prompt": prompt, "max_tokens": 5}}))
+    chunks = asyncio.run(collect(IngressRequest("completions", {"model": MODEL, "prompt": prompt, "max_tokens": 5})))
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expected_output(tok, tok.encode(prompt), 5)[1]
     assert chunks[-1]["usage"]["completion_tokens"] == 5  # always ends with usage
-    chat = asyncio.run(collect({"endpoint": "chat.completions",
-                                "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                         "max_tokens": 2, "stream": False}}))
+    chat = asyncio.run(collect(IngressRequest("chat.completions",
+                                              {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 2, "stream": False})))
     assert chat[0]["object"] == "chat.completion.chunk" and chat[-1]["usage"]["completion_tokens"] == 2
-    for request, status in [({"endpoint": "completions", "body": {"model": "nope", "prompt": "x"}}, 404),
-                            ({"endpoint": "embeddings", "body": {}}, 400),
-                            ({"endpoint": "completions", "body": {"model": MODEL, "prompt": "x", "n": 2}}, 400)]:
-        [error] = asyncio.run(collect(request))
+    for body, status in [({"model": "nope", "prompt": "x"}, 404), ({"model": MODEL, "prompt": "x", "n": 2}, 400)]:
+        [error] = asyncio.run(collect(IngressRequest("completions", body)))
         assert error["status"] == status and error["error"]["message"]
+    with pytest.raises(ValueError, match="endpoint must be one of"):   # refused where it is made
+        IngressRequest("embeddings", {})
 
 
 class _TruncatingEngine(FakeEngineClient):

@@ -129,7 +129,7 @@ def test_a_python_caller_cannot_poison_a_worker(ray_session, paths):
 
     config = {"budget_bytes": 64 * MiB, "kv_bytes": 8 * MiB, "num_slots": 2, "slab_bytes": 96 * 1024 * 4,
               "host_kv_bytes": 8 * MiB}
-    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w-poison", config, num_threads=1)
+    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w-poison", EngineConfig(**config), num_threads=1)
     try:
         ray.get([actor.register_model.remote(name, str(path)) for name, path in paths.items()])
         undisturbed = _run(_engine(paths), _innocents())

@@ -2,6 +2,7 @@
 config a user writes: EngineConfig, the Serve app's args and its serve config files."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -45,17 +46,16 @@ def test_an_unknown_policy_is_refused_naming_the_known_ones(make):
 
 
 def test_scheduler_config_set_in_app_args_reaches_the_engines_policy():
-    from actors.engine import Engine, EngineConfig
+    from actors.engine import Engine
     from deploy.serve_app.app_args import parse_app_args
 
     args = parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "token",
                            "scheduler": {"quota_max_s": 2.5, "quota_switch_factor": None}})
-    kwargs = {**args.engine_config(), **SMALL}
-    # what a DeviceWorker receives: plain kwargs, the scheduler's as a mapping
-    engine = Engine(EngineConfig(**kwargs))
+    # what a DeviceWorker receives: the EngineConfig the args build, its SchedulerConfig inside
+    engine = Engine(dataclasses.replace(args.engine_config(), **SMALL))
     assert engine.policy.config == SchedulerConfig(quota_max_s=2.5, quota_switch_factor=None)
     # what is not set keeps SchedulerConfig's one default
-    plain = Engine(EngineConfig(**{**parse_app_args({"models": {"a": "zoo:llama-tiny-a"}}).engine_config(), **SMALL}))
+    plain = Engine(dataclasses.replace(parse_app_args({"models": {"a": "zoo:llama-tiny-a"}}).engine_config(), **SMALL))
     assert plain.policy.config == SchedulerConfig()
 
 

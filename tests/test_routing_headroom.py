@@ -30,10 +30,12 @@ async def _run(worker, rid: str, model: str, max_tokens: int) -> None:
 @pytest.fixture(scope="module")
 def workers(ray_session, zoo_model):
     ray = ray_session
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
-    slow, fast = make.remote("a-slow", ENGINE, num_threads=1), make.remote("b-fast", ENGINE, num_threads=1)
+    config = EngineConfig(**ENGINE)
+    slow, fast = make.remote("a-slow", config, num_threads=1), make.remote("b-fast", config, num_threads=1)
     ray.get([slow.register_model.remote(TARGET, str(zoo_model(TARGET))),
              slow.register_model.remote("llama-10m", str(zoo_model("llama-10m"))),
              fast.register_model.remote(TARGET, str(zoo_model(TARGET)))])

@@ -243,7 +243,8 @@ def test_engine_config_from_args_is_a_valid_engine_config():
     from deploy.serve_app.app_args import parse_app_args
 
     args = parse_app_args({"models": {"a": "/ckpt/a"}, "budget_gb": 40, "kv_fraction": 0.3, "dtype": "bfloat16"})
-    config = EngineConfig(**args.engine_config())
+    config = args.engine_config()
+    assert isinstance(config, EngineConfig) and config.detokenize is False   # the ingress makes the text
     assert config.budget_bytes == 40 << 30 and config.dtype == "bfloat16"
     assert 0.29 * config.budget_bytes <= config.kv_bytes <= 0.3 * config.budget_bytes
 

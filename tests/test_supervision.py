@@ -28,10 +28,12 @@ PROMPT = (11, 400, 77, 1234, 9, 18, 600, 5, 42, 300)
 
 @pytest.fixture(scope="module")
 def topology(ray_session, zoo_model):
+    from actors.engine import EngineConfig
     from cluster.topology import TopologyConfig, bring_up
 
-    config = TopologyConfig(models={m: str(zoo_model(m)) for m in MODELS}, engine=ENGINE, devices_per_node=2,
-                            threads_per_worker=1, slo=SLO(ttft_s=5.0, tbt_s=0.5), watch_interval_s=0.5)
+    config = TopologyConfig(models={m: str(zoo_model(m)) for m in MODELS}, engine=EngineConfig(**ENGINE),
+                            devices_per_node=2, threads_per_worker=1, slo=SLO(ttft_s=5.0, tbt_s=0.5),
+                            watch_interval_s=0.5)
     topo = bring_up(config)
     yield topo
     topo.shutdown()

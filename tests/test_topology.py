@@ -43,10 +43,8 @@ def test_config_rejects_bad_input(tmp_path, zoo_model):
         TopologyConfig(models={"m": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="devices_per_node"):
         TopologyConfig(models=good, devices_per_node=0)
-    with pytest.raises(ValueError, match="kv_bytesx"):
-        TopologyConfig(models=good, engine={"kv_bytesx": 1})
-    with pytest.raises(ValueError, match="policy"):
-        TopologyConfig(models=good, engine={"policy": "lottery"})
+    with pytest.raises(ValueError, match="must be an EngineConfig"):   # kwargs are built into one by the caller
+        TopologyConfig(models=good, engine={"kv_bytes": 1})
     with pytest.raises(ValueError, match="scale_in_load"):
         TopologyConfig(models=good, placement={"scale_in_load": 100.0})
 
@@ -65,9 +63,10 @@ def test_bring_up_without_ray_is_a_clear_error(zoo_model):
 
 @pytest.fixture(scope="module")
 def topology(ray_session, zoo_model):
+    from actors.engine import EngineConfig
     from cluster.topology import TopologyConfig, bring_up
 
-    config = TopologyConfig(models={m: str(zoo_model(m)) for m in MODELS}, engine=ENGINE,
+    config = TopologyConfig(models={m: str(zoo_model(m)) for m in MODELS}, engine=EngineConfig(**ENGINE),
                             threads_per_worker=1, slo=SLO(ttft_s=5.0, tbt_s=0.5), watch_interval_s=None,
                             placement_interval_s=60.0)
     topo = bring_up(config)

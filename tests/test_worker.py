@@ -19,9 +19,10 @@ CONFIG = {"budget_bytes": 64 * MiB, "kv_bytes": 16 * MiB, "num_slots": 2, "slab_
 def worker(ray_session, zoo_model):
     import ray
 
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
-    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w0", CONFIG, num_threads=1)
+    actor = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote("w0", EngineConfig(**CONFIG), num_threads=1)
     ray.get(actor.ready.remote())
     for name in ("llama-tiny-a", "qwen2-tiny-b"):
         ray.get(actor.register_model.remote(name, str(zoo_model(name))))
@@ -158,3 +159,36 @@ def test_a_worker_keeps_its_start_up_heap_and_its_models_out_of_the_collectors_p
     tracked, frozen = ray.get(worker.__ray_call__.remote(lambda _: (len(gc.get_objects()), gc.get_freeze_count())))
     assert frozen > 100_000
     assert tracked < frozen / 10
+
+
+def test_the_live_view_and_the_turn_plot_read_what_a_real_worker_sends(worker):
+    """Contract: DeviceWorker.telemetry() is what `tokenmux status --watch` renders, and
+    DeviceWorker.timeline() what the load tests' turn plot reads."""
+    import io
+    import time
+
+    import ray
+    from rich.console import Console
+
+    from deploy.cli.status_watch import WatchState, render
+    from load_tests.contenders import turns_from_timelines
+    from scheduler.messages import ClusterStatus, RouterStatus
+
+    since = time.time()
+    before = ray.get(worker.telemetry.remote())
+    asyncio.run(_collect(worker, GenerateRequest("live", "qwen2-tiny-b", (5, 6, 7),
+                                                 SamplingParams(max_tokens=8, ignore_eos=True))))
+    wait_until(lambda: ray.get(worker.telemetry.remote()).generation_tokens >= before.generation_tokens + 8, 10,
+               what="the metrics thread to count the tokens")
+    now = ray.get(worker.telemetry.remote())
+    state = WatchState()
+    state.rates({"w0": before})
+    rates = state.rates({"w0": now})
+    assert rates["w0"]["generation_tokens"] > 0
+    status = ClusterStatus({"w0": ray.get(worker.stats.remote())}, None, RouterStatus({}, {}, ()))
+    text = io.StringIO()
+    Console(file=text, width=220).print(render(status, {"w0": now}, rates))
+    assert "w0" in text.getvalue() and "(virtual)" in text.getvalue()
+
+    turns = turns_from_timelines({"w0": ray.get(worker.timeline.remote())}, since)
+    assert turns and turns[-1].model == "qwen2-tiny-b" and 0 <= turns[-1].start <= turns[-1].end

@@ -3,7 +3,7 @@
     WORKER  ROLE  RESIDENT  QUEUED/RUNNING  TOKENS/S  ALPHA  SWAPS/S  KV  DEVICE MEM  UTIL
 
 Each refresh asks the app for the topology's status (the same as `tokenmux status`) and
-each worker for `telemetry()` (running totals kept by its metrics thread,
+each worker for `telemetry()` (a WorkerTelemetry: running totals kept by its metrics thread,
 actors/worker_metrics.py), and turns the totals into rates against the previous refresh.
 No Prometheus is needed. The table is drawn with rich's Live display, which rewrites it in
 place on a terminal (and prints one table per refresh elsewhere).
@@ -15,27 +15,28 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.messages import ClusterStatus
+    from scheduler.messages import ClusterStatus, WorkerTelemetry
+
+RATES = ("generation_tokens", "swaps", "switches")   # totals shown per second
 
 
 @dataclass
 class WatchState:
     """Previous telemetry per worker, for rates."""
 
-    previous: dict[str, dict] = field(default_factory=dict)
+    previous: dict[str, "WorkerTelemetry"] = field(default_factory=dict)
 
-    def rates(self, telemetry: dict[str, dict]) -> dict[str, dict[str, float]]:
+    def rates(self, telemetry: dict[str, "WorkerTelemetry"]) -> dict[str, dict[str, float]]:
         out = {}
         for wid, now in telemetry.items():
             before = self.previous.get(wid)
-            dt = (now["time"] - before["time"]) if before else 0.0
-            out[wid] = {key: (now[key] - before[key]) / dt if dt > 0 else 0.0
-                        for key in ("generation_tokens", "swaps", "switches")}
+            dt = (now.time - before.time) if before else 0.0
+            out[wid] = {key: (getattr(now, key) - getattr(before, key)) / dt if dt > 0 else 0.0 for key in RATES}
         self.previous = dict(telemetry)
         return out
 
 
-def gather(app: str) -> tuple["ClusterStatus", dict[str, dict]]:
+def gather(app: str) -> tuple["ClusterStatus", dict[str, "WorkerTelemetry"]]:
     """(status, worker id -> telemetry) of the running app; a worker that does not answer is left out."""
     import ray
 
@@ -53,7 +54,7 @@ def gather(app: str) -> tuple["ClusterStatus", dict[str, dict]]:
     return status, telemetry
 
 
-def render(status: "ClusterStatus", telemetry: dict[str, dict], rates: dict[str, dict[str, float]]):
+def render(status: "ClusterStatus", telemetry: dict[str, "WorkerTelemetry"], rates: dict[str, dict[str, float]]):
     """A rich Table of the workers."""
     from rich.table import Table
 
@@ -70,17 +71,17 @@ def render(status: "ClusterStatus", telemetry: dict[str, dict], rates: dict[str,
         if isinstance(w, WorkerDown):
             table.add_row(wid, "DEAD", w.error, *[""] * 7)
             continue
-        t, r = telemetry.get(wid, {}), rates.get(wid, {})
+        t, r = telemetry.get(wid), rates.get(wid, {})
         queued = ",".join(f"{m}:{n}" for m, n in sorted(w.engine.queue_depth.items())) or "-"
         running = ",".join(f"{m}:{n}" for m, n in sorted(w.engine.running.items())) or "-"
-        device = t.get("device") or {}
-        memory = (f"{format_bytes(device['memory_used_bytes'])} / {format_bytes(device['memory_total_bytes'])}"
-                  + (" (virtual)" if device.get("virtual") else "")) if device else "-"
-        alpha = t.get("alpha")
+        device = t.device if t else None
+        memory = (f"{format_bytes(device.memory_used_bytes)} / {format_bytes(device.memory_total_bytes)}"
+                  + (" (virtual)" if device.virtual else "")) if device else "-"
+        alpha = t.alpha if t else None
         table.add_row(wid, w.role, ",".join(w.engine.resident) or "-", f"{queued} / {running}",
                       f"{r.get('generation_tokens', 0.0):.1f}", f"{alpha:.2f}" if alpha is not None else "-",
-                      f"{r.get('swaps', 0.0):.2f}", f"{t.get('kv_usage', 0.0):.0%}" if t else "-", memory,
-                      f"{device['utilization']:.0%}" if device else "-")
+                      f"{r.get('swaps', 0.0):.2f}", f"{t.kv_usage:.0%}" if t else "-", memory,
+                      f"{device.utilization:.0%}" if device else "-")
     return table
 
 

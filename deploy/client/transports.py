@@ -2,9 +2,9 @@
 
 Both yield the same chunk dicts: the OpenAI stream chunks the ingress produces, with
 the `tokenmux` extension. An error, before or during the stream, raises `TokenmuxError`.
-The handle transport calls the ingress deployment's `generate_frames(request_dict)` with
-`request_dict = {"endpoint": "completions" | "chat.completions", "body": {...}}` and
-`list_models()`; see `deploy/ingress.py` `OpenAIIngress`.
+The handle transport calls the ingress deployment's `generate_frames(IngressRequest(endpoint,
+body))` (scheduler/messages.py; the body is the OpenAI JSON body) and `list_models()`; see
+`deploy/openai_api/ingress.py` `OpenAIIngress`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import json
 from typing import Any, AsyncIterator, Iterator
 
 import httpx
+
+from scheduler.messages import IngressRequest
 
 _PATHS = {"completions": "/v1/completions", "chat.completions": "/v1/chat/completions"}
 
@@ -128,7 +130,7 @@ class ServeHandleBackend:
         return self._handle.list_models.remote().result()["data"]
 
     def stream(self, endpoint: str, body: dict) -> Iterator[dict]:
-        gen = self._handle.options(stream=True).generate_frames.remote({"endpoint": endpoint, "body": body})
+        gen = self._handle.options(stream=True).generate_frames.remote(IngressRequest(endpoint, body))
         finished = False
         try:
             for chunk in gen:
@@ -150,7 +152,7 @@ class AsyncServeHandleBackend:
         return (await self._handle.list_models.remote())["data"]
 
     async def stream(self, endpoint: str, body: dict) -> AsyncIterator[dict]:
-        gen = self._handle.options(stream=True).generate_frames.remote({"endpoint": endpoint, "body": body})
+        gen = self._handle.options(stream=True).generate_frames.remote(IngressRequest(endpoint, body))
         finished = False
         try:
             async for chunk in gen:

@@ -19,18 +19,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ModelInfo:
+class ServedModel:
+    """A model the edge serves, as requests are checked against it (its size and step costs,
+    for placement, are scheduler/placement.py's ModelInfo)."""
+
     name: str  # what clients put in "model"
     path: str  # local checkpoint directory (holds the tokenizer)
     max_context: int  # prompt + completion tokens must fit
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("ModelInfo.name must be non-empty")
+            raise ValueError("ServedModel.name must be non-empty")
         if not self.path:
-            raise ValueError(f"ModelInfo.path must be non-empty (model {self.name!r})")
+            raise ValueError(f"ServedModel.path must be non-empty (model {self.name!r})")
         if not isinstance(self.max_context, int) or self.max_context <= 0:
-            raise ValueError(f"ModelInfo.max_context must be a positive integer, got {self.max_context!r}")
+            raise ValueError(f"ServedModel.max_context must be a positive integer, got {self.max_context!r}")
 
 
 @runtime_checkable
@@ -45,7 +48,7 @@ class EngineClient(Protocol):
         """Stop generating for a request whose client went away; idempotent."""
         ...
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[ServedModel]:
         """The models served now. Called from worker threads too: must be thread-safe."""
         ...
 

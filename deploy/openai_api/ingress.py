@@ -35,7 +35,7 @@ from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionReque
                                         CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
 from deploy.openai_api.request_builder import build_generate_request, request_slo
-from scheduler.messages import GenerateRequest
+from scheduler.messages import GenerateRequest, IngressRequest
 
 logger = logging.getLogger(__name__)
 
@@ -84,20 +84,19 @@ class OpenAIIngress:
         return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req, arrived),
                              self.config.stall_timeout_s)
 
-    async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
+    async def generate_frames(self, request: IngressRequest) -> AsyncIterator[dict]:
         """Entry point for in-cluster callers (a Serve handle with stream=True).
 
-        `request` = {"endpoint": "completions" | "chat.completions", "body": <OpenAI
-        request body as a dict>}. Yields the same chunk dicts the SSE stream carries
-        (always streamed, always with a final usage chunk); an error is one chunk
-        `{"error": {...}, "status": <http status>}` that ends the stream.
+        Yields the same chunk dicts the SSE stream carries (always streamed, always with a
+        final usage chunk); an error is one chunk `{"error": {...}, "status": <http status>}`
+        that ends the stream.
         """
-        endpoint = request.get("endpoint")
+        endpoint = request.endpoint
         arrived = self.admission.clock()
         try:
-            if endpoint not in _REQUEST_TYPES:
+            if endpoint not in _REQUEST_TYPES:   # Ray unpickles without the message's checks
                 raise invalid(f"endpoint must be one of {sorted(_REQUEST_TYPES)}, got {endpoint!r}", param="endpoint")
-            body = dict(request.get("body") or {})
+            body = dict(request.body)
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
             _, gen_req = await self.prepare(endpoint, json.dumps(body))

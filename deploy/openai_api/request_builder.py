@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from deploy.openai_api.engine_protocol import EngineClient, ModelInfo
+from deploy.openai_api.engine_protocol import EngineClient, ServedModel
 from deploy.openai_api.errors import OpenAIError, invalid, model_not_found, unsupported
 from deploy.openai_api.config import IngressConfig
 from deploy.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -20,7 +20,7 @@ from scheduler.slo import SLO
 MAX_STOP_STRINGS = 4  # as in the OpenAI API
 
 
-def find_model(engine: EngineClient, name: str) -> ModelInfo:
+def find_model(engine: EngineClient, name: str) -> ServedModel:
     models = engine.models()
     for info in models:
         if info.name == name:
@@ -89,7 +89,7 @@ def _chat_prompt_ids(req: ChatCompletionRequest, tok: Any) -> list[int]:
     return list(ids)
 
 
-def _max_tokens(req: CompletionRequest | ChatCompletionRequest, info: ModelInfo, num_prompt_tokens: int,
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, info: ServedModel, num_prompt_tokens: int,
                 config: IngressConfig) -> int:
     param = "max_tokens"
     asked = req.max_tokens

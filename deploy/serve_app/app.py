@@ -28,7 +28,7 @@ from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
-from scheduler.messages import ClusterStatus
+from scheduler.messages import ClusterStatus, IngressRequest
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class TokenmuxIngress:
     """OpenAI-compatible HTTP, plus `generate_frames` / `list_models` for Serve handles."""
 
     async def __init__(self, args: dict, cluster: Any) -> None:
-        from deploy.serve_app.cluster_engine import ClusterEngineClient, model_infos
+        from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
         from deploy.serve_app.metered_engine import MeteredEngineClient
         from deploy.openai_api.admission import AdmissionConfig
         from deploy.openai_api.ingress import build_ingress_app
@@ -125,7 +125,7 @@ class TokenmuxIngress:
         self.cluster = cluster
         models = await cluster.models.remote()
         router = await cluster.router.remote()
-        self.engine = MeteredEngineClient(ClusterEngineClient(router, await asyncio.to_thread(model_infos, models),
+        self.engine = MeteredEngineClient(ClusterEngineClient(router, await asyncio.to_thread(served_models, models),
                                                               router_source=self._fresh_router))
         self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
                                     default_max_tokens=self.args.default_max_tokens,
@@ -145,7 +145,7 @@ class TokenmuxIngress:
     def __serve_build_asgi_app__(self):
         return self._openai_app
 
-    async def generate_frames(self, request: dict) -> AsyncIterator[dict]:
+    async def generate_frames(self, request: IngressRequest) -> AsyncIterator[dict]:
         async for chunk in self.core.generate_frames(request):
             yield chunk
 

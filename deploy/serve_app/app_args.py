@@ -20,7 +20,7 @@ args Serve stores and shows carry no key.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,6 +28,9 @@ from deploy.openai_api.auth import key_digests
 from deploy.openai_api.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from scheduler.policy import SchedulerConfig
 from scheduler.policy_registry import check_policy_name
+
+if TYPE_CHECKING:
+    from actors.engine import EngineConfig
 
 ZOO_PREFIX = "zoo:"
 # What a checkpoint directory needs besides config.json and weights (ModelSpec checks those).
@@ -170,18 +173,17 @@ class AppArgs(BaseModel):
             return int(self.budget_gb * GiB)
         return DEFAULT_BUDGET_BYTES
 
-    def engine_config(self) -> dict:
-        """EngineConfig kwargs for every worker (actors/engine.py)."""
+    def engine_config(self) -> "EngineConfig":
+        """The EngineConfig of every worker (its device is the node's: cluster/topology.py)."""
+        from actors.engine import EngineConfig   # torch comes with it: only where workers start
+
         budget = self.device_budget_bytes
         slab = 4 * MiB if budget >= 1 * GiB else 1 * MiB
         kv = max(slab, int(budget * self.kv_fraction) // slab * slab)
         # detokenize=False: the ingress makes the text (deploy/serve_app/cluster_engine.py)
-        config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": self.num_slots, "slab_bytes": slab,
-                  "host_kv_bytes": int(self.host_kv_gb * GiB), "policy": self.policy, "detokenize": False,
-                  "scheduler": self.scheduler.model_dump(exclude_unset=True)}
-        if self.dtype is not None:
-            config["dtype"] = self.dtype
-        return config
+        return EngineConfig(budget_bytes=budget, kv_bytes=kv, num_slots=self.num_slots, slab_bytes=slab,
+                            host_kv_bytes=int(self.host_kv_gb * GiB), policy=self.policy, dtype=self.dtype,
+                            detokenize=False, scheduler=self.scheduler.config())
 
 
 def parse_app_args(args: "dict | AppArgs") -> AppArgs:

@@ -37,7 +37,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.frame_stream import FrameStream, stream_frames
 from actors.output_stream import TextAssembler
-from deploy.openai_api.engine_protocol import ModelInfo, TokenizerCache
+from deploy.openai_api.engine_protocol import ServedModel, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, HandoffState, OutputFrame, RouterStatus
 from scheduler.routing import NoWorkerError, RoutingPolicy
 from scheduler.slo import SLO
@@ -50,16 +50,16 @@ ROUTER_RETRY_S = 0.2
 CAPACITY_REFRESH_S = 2.0   # how often the router's view of the workers is read for admission
 
 
-def model_infos(models: Mapping[str, str]) -> list[ModelInfo]:
-    """ModelInfo (name, path, max_context) of each name -> checkpoint dir; reads headers only."""
+def served_models(models: Mapping[str, str]) -> list[ServedModel]:
+    """ServedModel (name, path, max_context) of each name -> checkpoint dir; reads headers only."""
     from actors.model_spec import ModelSpec
 
-    return [ModelInfo(name, str(path), ModelSpec.from_dir(path).max_position_embeddings)
+    return [ServedModel(name, str(path), ModelSpec.from_dir(path).max_position_embeddings)
             for name, path in models.items()]
 
 
 class ClusterEngineClient:
-    def __init__(self, router: Any, models: Mapping[str, str] | list[ModelInfo], max_dispatches: int = 3,
+    def __init__(self, router: Any, models: Mapping[str, str] | list[ServedModel], max_dispatches: int = 3,
                  router_source: Callable[[], Awaitable[Any]] | None = None,
                  router_recovery_s: float = ROUTER_RECOVERY_S) -> None:
         """`router_source()` gives the current router handle after the one held died; it is asked
@@ -69,7 +69,7 @@ class ClusterEngineClient:
             raise ValueError(f"max_dispatches must be >= 1, got {max_dispatches}")
         if router_recovery_s < 0:
             raise ValueError(f"router_recovery_s must be >= 0, got {router_recovery_s}")
-        infos = model_infos(models) if isinstance(models, Mapping) else list(models)
+        infos = served_models(models) if isinstance(models, Mapping) else list(models)
         if not infos:
             raise ValueError("ClusterEngineClient needs at least one model")
         self.router = router
@@ -87,7 +87,7 @@ class ClusterEngineClient:
         self._workers_read_at = float("-inf")
         self._workers_reading: asyncio.Task | None = None
 
-    def models(self) -> list[ModelInfo]:
+    def models(self) -> list[ServedModel]:
         return list(self._models.values())
 
     def tokenizer(self, model: str) -> Any:
@@ -268,7 +268,7 @@ class ClusterEngineClient:
         # (prefill/decode split), which still holds it under the old one until it notices.
         sent.num_resumes += 1
         resumed = dataclasses.replace(req, request_id=f"{req.request_id}.resume{sent.num_resumes}")
-        state = HandoffState(resumed, tuple(sent.token_ids), tuple(sent.token_times), 0, sent.num_chars)
+        state = HandoffState.continuing(resumed, sent.token_ids, sent.token_times, sent.num_chars)
         ack = await handle.adopt_prefilled.remote(state, None)   # no KV: the worker recomputes the prefix
         if not ack.adopted and ack.error:
             raise ValueError(ack.error)

@@ -49,7 +49,7 @@ def measure_bw_limit(path: Path, *, device: torch.device, host_cache, name: str,
     run_to_completion(engine, greedy_requests(name, prompts, 8, "warm"))   # graphs captured, weights resident
     first = len(engine.timeline)
     run_to_completion(engine, greedy_requests(name, prompts, new_tokens, "bw"))
-    steps = [end - start for _, start, end, is_prefill in list(engine.timeline)[first:] if not is_prefill]
+    steps = [s.seconds for s in list(engine.timeline)[first:] if not s.is_prefill]
     m = engine.models[name]
     spec, layout = m.spec, m.layout
     embed = next(e for e in layout.entries if e.name == EMBED)

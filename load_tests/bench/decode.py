@@ -107,7 +107,7 @@ def _engine_run(engine, name, prompts, new_tokens, device, rep) -> tuple[float, 
     if counts != [new_tokens] * len(requests):
         raise RuntimeError(f"engine generated {counts} tokens, expected {new_tokens} each")
     turns = list(engine.timeline)[timeline_start:]
-    prefill_s = sum(end - start for _, start, end, is_prefill in turns if is_prefill)
+    prefill_s = sum(s.seconds for s in turns if s.is_prefill)
     return elapsed, prefill_s, engine.num_steps - steps_before, [tokens[r.request_id] for r in requests]
 
 
