@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ray import serve
 from ray.serve.config import BackpressureConfig
@@ -29,6 +29,9 @@ from ray.serve.config import BackpressureConfig
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
 from scheduler.messages import ClusterStatus, IngressRequest
+
+if TYPE_CHECKING:
+    from deploy.openai_api.admission import AdmissionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +119,6 @@ class TokenmuxIngress:
     async def __init__(self, args: dict, cluster: Any) -> None:
         from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
         from deploy.serve_app.metered_engine import MeteredEngineClient
-        from deploy.openai_api.admission import AdmissionConfig
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
