@@ -164,8 +164,14 @@ class Topology:
             return dead
 
     def tick(self) -> None:
-        """One round of the watcher: membership, then supervision."""
-        self.refresh_nodes()
+        """One round of the watcher: membership, then supervision. A failed refresh (a dead
+        router it had to tell, say) does not skip supervision, which is what remakes that
+        router: skipped, every tick failed the same way and the router stayed dead."""
+        try:
+            self.refresh_nodes()
+        except Exception as exc:
+            logger.warning("topology: refreshing the nodes failed (%s: %s); supervising anyway",
+                           type(exc).__name__, exc)
         if self.supervisor is not None:
             self.supervisor.tick()
 

@@ -153,7 +153,8 @@ def test_a_killed_router_is_rebuilt_from_the_live_workers(topology, restart):
     def router_lists(workers: set[str]) -> bool:
         try:   # the handle may point at a router Ray is still restarting: it answers once back
             return set(ray.get(topology.router.status.remote(), timeout=5).workers) == workers
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.ActorDiedError):   # dead for good until the supervisor's next tick replaces it
             return False
 
     wait_until(lambda: router_lists(live), 20, 0.25, what="the router to list every live worker")
