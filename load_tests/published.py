@@ -157,8 +157,6 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     """Run everything and write the results; returns the summary. sweep_models=False leaves the
     models sweep out of any preset; resume=True continues from out_dir's records (module
     docstring)."""
-    from types import SimpleNamespace
-
     from cluster.ray_runtime import connect_or_start
     from load_tests.contenders import Deployment
     from load_tests.experiment import Experiment, TraceSpec
@@ -173,10 +171,7 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    args = SimpleNamespace(arrival="gamma", cv=4.0, popularity="zipf", zipf_alpha=1.0, lengths="azure",
-                           input_scale=0.125, output_scale=0.25, max_input=p.max_input, max_output=p.max_output,
-                           seed=0, kv_mb=p.kv_mb, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None,
-                           device=p.device, dtype=p.dtype)
+    args = workload_args(p)
     previous = resumable(out / RECORDS, p, vars(args)) if resume else None
     connect_or_start(num_virtual_gpus=1, log_to_driver=False)
     models = served_models(str(p.models), p.checkpoint)
@@ -270,6 +265,17 @@ def run_published(out_dir: str | Path = "docs/results", *, quick: bool = False, 
     ex.records.run["meta"] = {k: meta[k] for k in RUN_TIME}
     write_records(out / RECORDS, ex.records)
     return write_outputs(ex.records, slo, out, meta=meta, models=models_result, readme=readme)
+
+
+def workload_args(p: Preset):
+    """The workload and engine arguments of a preset's runs (run_setup reads them): Zipf(1)
+    popularity, Azure conversation lengths x 0.125 / x 0.25, the preset's limits and device."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(arrival="gamma", cv=4.0, popularity="zipf", zipf_alpha=1.0, lengths="azure",
+                           input_scale=0.125, output_scale=0.25, max_input=p.max_input, max_output=p.max_output,
+                           seed=0, kv_mb=p.kv_mb, slots=p.slots, budget=None, slo_ttft=None, slo_tbt=None,
+                           device=p.device, dtype=p.dtype)
 
 
 def resumable(path: Path, p: Preset, workload: dict):

@@ -4,6 +4,7 @@
         --workers W --sweep rate --json OUT.json --plots DIR
     tokenmux loadtest --published            # the published side-by-side run (load_tests/published.py)
     tokenmux loadtest --rescore RECORDS.jsonl.gz --slo-ttft 0.2 --json OUT.json   # re-score, no re-run
+    tokenmux loadtest --sweep slo [--slo-shapes ...]   # re-run at each SLO shape (load_tests/slo_sweep.py)
 
 Without --trace the workload is synthetic: Gamma arrivals (CV 4, bursty), Zipf(1) model
 popularity (a long tail that still has several active models when only ~10 are served;
@@ -46,7 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of token,request,dedicated,multiplexed[-1|-2|-8],token-no-cap,"
                         "token-no-overload (default token,request)")
     p.add_argument("--workers", type=int, default=2, help="devices (DeviceWorkers / replicas) per contender")
-    p.add_argument("--sweep", type=_csv(str), default=[], help="comma list of rate,models (default: none)")
+    p.add_argument("--sweep", type=_csv(str), default=[],
+                   help="comma list of rate,models (default: none); or slo alone: every contender re-run at "
+                        "each SLO shape on the published traces (load_tests/slo_sweep.py)")
+    p.add_argument("--slo-shapes", type=_csv(str),
+                   default=["measured", "ttft:tpot=16", "ttft:tpot=100", "x0.5", "x2"],
+                   help="--sweep slo: the SLO shapes to run (default all: measured, ttft:tpot=16, "
+                        "ttft:tpot=100, x0.5, x2)")
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.add_argument("--plots", help="directory for report.md and PNG plots")
     p.add_argument("--models", default="8",
@@ -80,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "from the flags) without running anything")
     p.add_argument("--published", action="store_true",
                    help="run the published side-by-side run (load_tests/published.py; refreshes docs/benchmarks.md)")
-    p.add_argument("--out", default="docs/results", help="--published: where its files go")
+    p.add_argument("--out", help="--published (default docs/results) and --sweep slo (default "
+                                 "docs/results/slo-sweep): where their files go")
     p.add_argument("--quick", action="store_true", help="a short run (tests): 1 seed, few requests; "
                    "with --published its quick preset")
     p.add_argument("--short", action="store_true", help="--published: the reduced preset (~35 min on 2 "
@@ -122,13 +130,19 @@ def run(args) -> int:
     if args.published:
         from load_tests.published import BENCHMARKS_DOC, run_published
 
-        summary = run_published(args.out, quick=args.quick, gpu=args.gpu, short=args.short,
+        summary = run_published(args.out or "docs/results", quick=args.quick, gpu=args.gpu, short=args.short,
                                 readme=None if (args.gpu or args.quick) else BENCHMARKS_DOC,
                                 sweep_models=not args.skip_models_sweep, resume=args.resume)
         print(json.dumps({k: v for k, v in summary.items() if k != "meta"}, indent=2, default=str))
         return 0
     if args.rescore:
         return rescore(args)
+    if "slo" in args.sweep:
+        if args.sweep != ["slo"]:
+            raise ValueError(f"--sweep slo runs alone, got --sweep {','.join(args.sweep)}")
+        from load_tests.slo_sweep import run_from_args
+
+        return run_from_args(args)
     if args.via == "http":
         raise ValueError("--via http needs the Serve app (deploy/); it is not wired in yet: use --via engine")
     from load_tests.analysis import analyze_trace
