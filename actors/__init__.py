@@ -20,6 +20,7 @@ What flows through here:
 - Prefill/decode disaggregation: a prefill worker's HandoffRelay (handoff.py) detaches a
   request after its first frame, exports its KV blocks (`KVBlocks`) through KVTransfers
   (kv_transfer.py, transports in kv_transports/), and dispatches `adopt_prefilled(state,
-  descriptor)` to a decode worker, which adopts the request with its KV, acks, and streams
-  its frames through `generate_prefilled`.
+  descriptor)` to a decode worker, which adopts the request with its KV and acks; the prefill
+  worker's stream ends naming it, and the caller reads the frames from its
+  `generate_prefilled` (frame_stream.py follows the move).
 """

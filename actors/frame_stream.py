@@ -6,6 +6,12 @@
     caller side   stream_frames(gen)    a worker's Ray streaming generator read as OutputFrames,
                                         cancelled on exit unless it ended
 
+A handed-off request (actors/handoff.py) ends its prefill worker's stream with a frame whose
+`moved_to` names the decode worker; `stream_frames` opens that worker's `generate_prefilled`
+at once (no await between reading the frame and opening the stream) and reads on there, so
+the decode frames come straight from the decode worker, and the reader sees one stream.
+`FrameStream.worker_id` is the worker it reads from now (the one to blame if it dies).
+
 Cancellation has one owner on each side. The caller: `stream_frames` cancels an unfinished
 stream when its `async with` block is left (Ray then cancels the worker's generator). The
 worker: its `serving` context (actors/worker.py) aborts the request in the engine, freeing its
@@ -59,7 +65,7 @@ class FrameBuffer:
 
     def sent(self, frame: OutputFrame) -> OutputFrame:
         """Record that `frame` goes to the consumer (also a frame relayed from another worker)."""
-        self.finished = self.finished or frame.finished
+        self.finished = self.finished or frame.finished or frame.moved_to is not None   # moved: its part ends
         return frame
 
     async def frames(self):
@@ -77,8 +83,9 @@ class FrameStream:
                 ...
     """
 
-    def __init__(self, gen: Any) -> None:
+    def __init__(self, gen: Any, worker_id: str | None = None) -> None:
         self._gen = gen
+        self.worker_id = worker_id   # the worker read from now (a handoff moves it)
         self.ended = False    # a finishing frame came, or the generator is exhausted
 
     async def __aenter__(self) -> "FrameStream":
@@ -92,17 +99,23 @@ class FrameStream:
         return self
 
     async def __anext__(self) -> OutputFrame:
-        if self.ended:
-            raise StopAsyncIteration
-        try:
-            ref = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self.ended = True
-            raise
-        frame = await ref
-        if frame.finished:
-            self.ended = True
-        return frame
+        while not self.ended:
+            try:
+                ref = await self._gen.__anext__()
+            except StopAsyncIteration:
+                self.ended = True
+                raise
+            frame = await ref
+            if frame.moved_to is not None:   # read on at the decode worker, opened before any await
+                target, frame.moved_to = frame.moved_to, None
+                self._gen = target.handle.generate_prefilled.remote(frame.request_id)
+                self.worker_id = target.worker_id
+                if not frame.token_ids and not frame.text:
+                    continue
+            if frame.finished:
+                self.ended = True
+            return frame
+        raise StopAsyncIteration
 
     def cancel(self) -> None:
         """Stop the worker's generator (non-blocking); it gets CancelledError and cleans up."""
@@ -115,6 +128,7 @@ class FrameStream:
             logger.debug("cancelling a frame stream: %s", exc)
 
 
-def stream_frames(gen: Any) -> FrameStream:
-    """The one way tokenmux reads a worker's frames (`worker.generate` / `generate_prefilled`)."""
-    return FrameStream(gen)
+def stream_frames(gen: Any, worker_id: str | None = None) -> FrameStream:
+    """The one way tokenmux reads a worker's frames (`worker.generate` / `generate_prefilled`);
+    `worker_id`: the worker `gen` streams from."""
+    return FrameStream(gen, worker_id)

@@ -1,13 +1,14 @@
 """Prefill/decode disaggregation: a prefill worker hands a request's KV to a decode worker.
 
-The caller keeps ONE stream, the one it opened on the worker the router picked
-(`worker.generate`); the router is asked once per request, never per token:
+The caller opens one stream, on the worker the router picked (`worker.generate`), and reads
+it with `stream_frames`; the router is asked once per request, never per token:
 
-    caller <-frames- prefill worker.generate <-frames- decode worker.generate_prefilled(request_id)
-                      |  prefill, first frame               ^
-                      |  router.pick_decode (once)          |  decode frames
-                      +-- detach + export KV --> decode worker.adopt_prefilled(state, descriptor)
-                                             <-- HandoffAck    (KV imported into its pool)
+    caller <-first frames-- prefill worker.generate
+      |                      |  prefill, first frame; router.pick_decode (once)
+      |                      +-- detach + export KV --> decode worker.adopt_prefilled(state, descriptor)
+      |                      |                      <-- HandoffAck    (KV imported into its pool)
+      |                      +-- last frame: moved_to = the decode worker
+      +--- opens decode worker.generate_prefilled(request_id) <-decode frames, straight to the caller
 
 Two halves. `KVHandoff` runs on a worker's engine thread, between steps, and reaches the
 engine only through its verbs (detach, end_detach, adopt) and the KV only through
@@ -16,13 +17,13 @@ owns; it needs the engine-thread call, the router and the request's FrameBuffer,
 else of the worker. The KV descriptor rides on the decode dispatch (`adopt_prefilled(state,
 desc)`), which answers the ack: one plain round trip moves the KV (a streaming call's first
 item measured ~0.5-1 ms slower here, and a stream opened alongside the dispatch ~0.5 ms),
-and the prefill worker frees its blocks as soon as the ack says the receiver has them. The
-frame stream (`generate_prefilled(request_id)`) is opened the moment the ack arrives, with
-no await in between, so no cancellation can leave the adopted request without a consumer
-(its frames wait in the decode worker's buffer; a decode worker aborts an adopted request
-whose stream never comes, e.g. because the prefill worker died). The decode frames are relayed to the caller unchanged (they carry the decode
-worker's id): one extra hop per frame, not per token, and the caller, the ingress and the
-router never learn a handoff happened.
+and the prefill worker frees its blocks as soon as the ack says the receiver has them. Its
+stream then ends with a frame whose `moved_to` names the decode worker; the caller's
+`stream_frames` opens `generate_prefilled(request_id)` there the moment it reads that frame
+(actors/frame_stream.py), and the adopted request's frames wait in the decode worker's buffer
+until it does (a decode worker aborts an adopted request whose stream never comes, e.g.
+because the caller left at that moment). No frame passes through the prefill worker after
+the handoff, and the ingress and the router never learn a handoff happened.
 
 A request a prefill worker will hand off is held from the step that makes its first token
 (`Engine.add_request(hold_after_prefill=True)`): it never decodes there while the router is
@@ -32,8 +33,9 @@ worker it is let go on where it was (`KVHandoff.keep`).
 Nothing is lost on failure. No decode worker, a failed export or a decode worker that
 fails before its ack: the held request continues on the prefill worker, KV untouched.
 A failed import (KVTransferError, no room): the decode worker recomputes the prefix.
-A decode worker that dies mid-stream: the prefill worker recomputes prompt + every token
-relayed so far and decodes the rest itself. Seeded sampling is never handed off (its
+A decode worker that dies mid-stream is a worker lost mid-stream like any other: the
+caller's one resume path (deploy/serve_app/cluster_engine.py) continues the request on
+another worker from the output it already has. Seeded sampling is never handed off (its
 generator state lives with the request on the prefill worker); greedy and unseeded
 sampling are.
 """
@@ -44,7 +46,7 @@ import concurrent.futures
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from actors.frame_stream import FrameBuffer, error_frame, stream_frames
+from actors.frame_stream import FrameBuffer
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from scheduler.messages import DecodeTarget, GenerateRequest, HandoffCounts, HandoffState, OutputFrame
 
@@ -119,7 +121,7 @@ class KVHandoff:
 
 
 class HandoffRelay:
-    """The async half, owned by a prefill worker: hand one request off and relay its frames.
+    """The async half, owned by a prefill worker: hand one request off to a decode worker.
 
     call(fn, *args) runs fn on the worker's engine thread and returns a concurrent Future;
     router() gives the GlobalRouter handle.
@@ -138,18 +140,20 @@ class HandoffRelay:
     def decode_target(self, request: GenerateRequest) -> asyncio.Task | None:
         """Ask the router for the request's decode worker while its prefill runs (so the answer
         is there when the first frame is); None when the request is never handed off. A request
-        with a task is added with hold_after_prefill: it waits, detached, for relay()."""
+        with a task is added with hold_after_prefill: it waits, detached, for hand_off()."""
         params = request.sampling_params
         if not params.greedy and params.seed is not None:
             return None
         return asyncio.get_running_loop().create_task(self._decode_target(request))
 
-    async def relay(self, request: GenerateRequest, buffer: FrameBuffer,
-                    target_task: asyncio.Task) -> AsyncIterator[OutputFrame]:
+    async def hand_off(self, request: GenerateRequest, buffer: FrameBuffer,
+                       target_task: asyncio.Task) -> AsyncIterator[OutputFrame]:
         """Run by a prefill worker's generate() after the first frame, with decode_target's task.
 
-        Yields frames for the caller until the request finishes. Yields nothing (and returns)
-        when no handoff happened: the caller's loop then goes on with the local frames.
+        Yields the frames that end this worker's part: the tokens made before the detach, then a
+        frame whose `moved_to` names the decode worker that has adopted the request (the reader
+        follows it there, actors/frame_stream.py). Yields nothing (and returns) when no handoff
+        happened: the caller's loop then goes on with the local frames.
         """
         target = await target_task
         if target is None:
@@ -161,8 +165,7 @@ class HandoffRelay:
         state, desc = exported
         if buffer.pending is not None:   # tokens made between the first frame and the detach
             yield buffer.take()
-        resolved = False
-        sent_tokens, sent_chars = list(state.output_token_ids), state.num_sent_chars
+        handed_off = False
         try:
             # The descriptor rides on the dispatch, whose answer is the ack: one plain round trip.
             ack_ref = target.handle.adopt_prefilled.remote(state, desc)
@@ -174,36 +177,13 @@ class HandoffRelay:
             except Exception as exc:   # decode worker dead, refused the model, too slow
                 logger.warning("handoff of %s to %s failed before the KV moved (%s); decoding locally",
                                request.request_id, target.worker_id, exc)
-                resolved = True
-                await self._on_engine(self.kv.end_export, request.request_id, False)
                 return
-            # The frame stream, opened with no await after the ack (so no cancellation can leave the
-            # adopted request without a consumer); its frames wait in the decode worker's buffer.
-            async with stream_frames(target.handle.generate_prefilled.remote(request.request_id)) as decode:
-                resolved = True
-                await self._on_engine(self.kv.end_export, request.request_id, True)
-                try:
-                    async for frame in decode:
-                        sent_tokens += frame.token_ids
-                        sent_chars += len(frame.text)
-                        yield buffer.sent(frame)
-                        if frame.finished:
-                            return
-                except Exception as exc:
-                    logger.warning("decode worker %s failed mid-stream for %s (%s); recomputing here",
-                                   target.worker_id, request.request_id, exc)
-            # The decode stream broke: recompute what was relayed and decode the rest here.
-            retry = HandoffState.continuing(state.request, sent_tokens, (), sent_chars)
-            try:
-                await self._on_engine(self.kv.adopt, retry, None)
-            except ValueError as exc:
-                yield buffer.sent(error_frame(request.request_id, self.worker_id, exc))
-                return
-            async for frame in buffer.frames():
-                yield frame
+            handed_off = True
         finally:
-            if not resolved:   # the caller left before the ack: the request continues (and is aborted) here
-                self.call(self.kv.end_export, request.request_id, False)
+            # Before any await: a caller that left while the ack came leaves the request here
+            # (aborted by the worker's serving context); the receiver drops its unclaimed copy.
+            self.call(self.kv.end_export, request.request_id, handed_off)
+        yield buffer.sent(OutputFrame(request.request_id, worker_id=self.worker_id, moved_to=target))
 
     async def _decode_target(self, request: GenerateRequest) -> DecodeTarget | None:
         try:

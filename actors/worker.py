@@ -8,8 +8,9 @@ falling behind. `stats()` answers a WorkerStats (scheduler/messages.py), the rou
 source of truth about this device; `health()` is its watchdog, answered off the engine
 thread (the engine loop stopped, or one step ran past `step_bound_s`), which the topology's
 supervisor reads to replace it (cluster/supervisor.py). In the "prefill" role the worker's HandoffRelay hands
-each request's KV to a decode worker after its first frame (actors/handoff.py);
-`generate_prefilled` is the receiving end.
+each request's KV to a decode worker after its first frame and ends its stream with a frame
+that names that worker (actors/handoff.py); `generate_prefilled` is the receiving end, which
+the caller reads from then on.
 """
 from __future__ import annotations
 
@@ -231,9 +232,11 @@ class DeviceWorker:
                 async for frame in buffer.frames():
                     yield frame
                     if target is not None and not buffer.finished:   # decode elsewhere (actors/handoff.py)
-                        async with contextlib.aclosing(self.relay.relay(request, buffer, target)) as relayed:
-                            async for frame in relayed:
+                        async with contextlib.aclosing(self.relay.hand_off(request, buffer, target)) as handed:
+                            async for frame in handed:
                                 yield frame
+                                if frame.moved_to is not None:   # the reader goes on at the decode worker
+                                    return
                         target = None
             finally:
                 if target is not None:
@@ -280,9 +283,6 @@ class DeviceWorker:
 
     async def set_router(self, router) -> None:
         self._router = router
-
-    async def abort(self, request_id: str) -> bool:
-        return await self._on_engine(self.engine.abort, request_id)
 
     async def stats(self) -> WorkerStats:
         engine = await self._on_engine(self.engine.stats)

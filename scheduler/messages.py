@@ -2,9 +2,10 @@
 
     data plane     IngressRequest    in-cluster caller -> ingress  (deploy/client/transports.py, a Serve handle)
                    GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
-                   OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py)
+                   OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py); a
+                                     handed-off request's frames come straight from its decode worker
                    HandoffState      prefill worker -> decode worker, with the KV descriptor (actors/engine.py)
-                   HandoffAck        decode worker -> prefill worker, first item of its stream (actors/worker.py)
+                   HandoffAck        decode worker -> prefill worker, adopt_prefilled's answer (actors/worker.py)
     control plane  RegisteredModel   worker -> placement           (actors/engine.py register_model)
                    WorkerStats       worker -> router, status      (actors/worker.py; EngineStats: actors/engine.py)
                    WorkerView        router's snapshot of a worker (scheduler/routing.py, from WorkerStats)
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.sampling_params import SamplingParams
@@ -136,13 +137,18 @@ class OutputFrame:
     error: str | None = None
     num_prompt_tokens: int = 0
     worker_id: str | None = None
+    # Set on a prefill worker's last frame: the request goes on at this decode worker, whose
+    # `generate_prefilled(request_id)` the reader opens (actors/frame_stream.py follows it).
+    moved_to: DecodeTarget | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(replace(self, moved_to=None))   # a handoff is followed where frames are read, never sent on
+        del d["moved_to"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "OutputFrame":

@@ -17,7 +17,7 @@ class FakeEngineClient:
     """TEST DOUBLE, not an engine: emits the prompt's own token ids, cyclically.
 
     Output is deterministic (token k = prompt[k % len(prompt)]); it honours max_tokens,
-    stop_token_ids and abort, and turns tokens into text with the worker's own
+    stop_token_ids and a stream closed early (its abort), and turns tokens into text with the worker's own
     OutputAssembler (the real detokenizer, stop strings cut and held back as a worker does). `seen`, `aborted`, `active` and `num_generated` let tests observe it.
     `fail_after_tokens` makes it fail once that many tokens were sent: with an error
     frame, or by raising when `fail_by_raising`.
@@ -48,16 +48,17 @@ class FakeEngineClient:
         info = self._models[model]
         return self._tokenizers.get(model, info.path)
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.add(request_id)
-
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
         self.seen.append(req)
         self.active.add(req.request_id)
+        finished = False
         try:
             async for frame in self._frames(req):
+                finished = frame.finished
                 yield frame
-        finally:
+        finally:   # closed or cancelled before its last frame: aborted, as a worker's stream is
+            if not finished:
+                self.aborted.add(req.request_id)
             self.active.discard(req.request_id)
 
     async def _frames(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
@@ -68,8 +69,6 @@ class FakeEngineClient:
         prompt = req.prompt_token_ids
         while True:
             await asyncio.sleep(self.frame_interval_s)
-            if req.request_id in self.aborted:
-                return
             if self.fail_after_tokens is not None and request.num_output_tokens >= self.fail_after_tokens:
                 if self.fail_by_raising:
                     raise RuntimeError("fake engine failure")

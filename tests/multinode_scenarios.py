@@ -48,8 +48,11 @@ async def collect(handle, rid, model, max_tokens=MAX_TOKENS) -> list[dict]:
     from scheduler.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams
 
+    from actors.frame_stream import stream_frames
+
     req = GenerateRequest(rid, model, PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return [await ref async for ref in handle.generate.remote(req)]
+    async with stream_frames(handle.generate.remote(req)) as stream:   # follows a handoff to the decode worker
+        return [frame async for frame in stream]
 
 
 async def routed(router, rid, model, max_tokens=MAX_TOKENS, slo=None) -> tuple[str, list[int], str | None]:

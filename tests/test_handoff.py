@@ -1,7 +1,8 @@
 """KV handoff between a prefill and a decode worker: decode output after a handoff equals
 single-worker greedy output (zero-copy shared pool, staged copy, pools whose slabs have a
 tail), a failed import recomputes, a held request can continue locally, and through real
-DeviceWorker actors the caller keeps one stream while a dead decode worker loses nothing."""
+DeviceWorker actors the caller keeps one stream, read from the decode worker directly after the
+handoff, while a dead decode worker loses nothing."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ ENGINE = {"budget_bytes": 48 * MiB, "kv_bytes": 8 * MiB, "num_slots": 2, "slab_b
           "host_kv_bytes": 4 * MiB}
 PROMPT = [11, 400, 77, 1234, 9, 18, 600, 5, 42, 300, 17, 88, 1500, 3, 71, 20, 19, 33, 1200, 7]   # 2 blocks
 MAX_TOKENS = 24
+LONG = 400   # a request long enough to kill a worker while it decodes
 
 
 def _engine(path, kv_buffer=None, **overrides):
@@ -154,39 +156,69 @@ def test_adopt_rejects_bad_state(path):
 # ---- through DeviceWorker actors ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pair(ray_session, path):
-    ray = ray_session
+def _make_pair(ray, path, names=("pre", "dec")):
+    """A prefill and a decode DeviceWorker (shared-memory KV) and a router that knows both."""
     from cluster.router import GlobalRouter
     from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
 
     make = ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker)
-    prefill = make.remote("pre", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
-    decode = make.remote("dec", EngineConfig(**ENGINE), num_threads=1, shared_kv=True)
+    prefill, decode = (make.remote(name, EngineConfig(**ENGINE), num_threads=1, shared_kv=True) for name in names)
     router = GlobalRouter.remote(poll_interval_s=0.2)
     ray.get([h.register_model.remote(MODEL, str(path)) for h in (prefill, decode)])
     ray.get([prefill.set_role.remote("prefill"), decode.set_role.remote("decode"), prefill.set_router.remote(router)])
     node = ray.get(prefill.node.remote())
-    ray.get([router.add_worker.remote("pre", prefill, node), router.add_worker.remote("dec", decode, node)])
-    yield ray, router, prefill, decode
+    ray.get([router.add_worker.remote(names[0], prefill, node), router.add_worker.remote(names[1], decode, node)])
+    return router, prefill, decode
+
+
+def _drop_pair(ray, router, prefill, decode):
     ray.wait([h.close.remote() for h in (prefill, decode)], num_returns=2, timeout=10)
     for h in (prefill, decode, router):
         ray.kill(h)
     from cluster.topology import sweep_stale_kv_files
 
-    sweep_stale_kv_files()   # the decode worker killed below leaves its region behind
+    sweep_stale_kv_files()   # a worker killed in a test leaves its region behind
 
 
-async def _collect(handle, req):
-    return [await ref async for ref in handle.generate.remote(req)]
+@pytest.fixture(scope="module")
+def pair(ray_session, path):
+    ray = ray_session
+    router, prefill, decode = _make_pair(ray, path)
+    yield ray, router, prefill, decode
+    _drop_pair(ray, router, prefill, decode)
+
+
+@pytest.fixture
+def fresh_pair(ray_session, path):
+    """A pair of its own, for a test that kills one of them."""
+    ray = ray_session
+    router, prefill, decode = _make_pair(ray, path, ("pre2", "dec2"))
+    yield ray, router, prefill, decode
+    _drop_pair(ray, router, prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def long_reference(path):
+    engine = _engine(path)
+    engine.add_request(_request(max_tokens=LONG))
+    return _run(engine)["r"]
+
+
+async def _collect(handle, req, worker_id=None):
+    """The caller's one stream, read as every caller reads it (it follows the handoff)."""
+    from actors.frame_stream import stream_frames
+
+    async with stream_frames(handle.generate.remote(req), worker_id) as stream:
+        return [frame async for frame in stream]
 
 
 def test_caller_keeps_one_stream_across_the_handoff(pair, reference):
     ray, router, prefill, decode = pair
-    frames = asyncio.run(_collect(prefill, _request("s1")))
+    frames = asyncio.run(_collect(prefill, _request("s1"), "pre"))
     assert [t for f in frames for t in f.token_ids] == reference
     assert frames[0].worker_id == "pre" and frames[-1].worker_id == "dec"
+    assert all(f.moved_to is None for f in frames)   # the handoff is followed, never shown to the caller
     assert frames[-1].finish_reason == "length"
     assert ray.get(prefill.stats.remote()).handoff.handed_off == 1
     assert ray.get(decode.stats.remote()).handoff.adopted == 1
@@ -244,3 +276,41 @@ def test_gpu_handoff_between_workers_equals_single_worker_greedy(ray_session, pa
     finally:
         for h in (prefill, decode, router):
             ray.kill(h)
+
+
+def _read_until_decoding(frames_of, on_decode):
+    """Read the frames `frames_of()` streams; `on_decode()` once, at the first from the decode worker."""
+    async def main():
+        frames = []
+        async for frame in frames_of():
+            if frame.worker_id.startswith("dec") and not any(f.worker_id.startswith("dec") for f in frames):
+                on_decode()
+            frames.append(frame)
+        return frames
+
+    return asyncio.run(main())
+
+
+def test_decode_frames_come_straight_from_the_decode_worker(fresh_pair, long_reference):
+    """Once handed off, the prefill worker carries none of the request's frames: it can die
+    and the stream goes on to the end."""
+    from actors.frame_stream import stream_frames
+
+    ray, router, prefill, decode = fresh_pair
+    frames = _read_until_decoding(lambda: stream_frames(prefill.generate.remote(_request("straight", LONG))),
+                                  lambda: ray.kill(prefill))
+    assert [t for f in frames for t in f.token_ids] == long_reference
+    assert frames[-1].finish_reason == "length" and frames[-1].worker_id == "dec2"
+
+
+def test_a_decode_worker_lost_mid_stream_is_resumed_by_the_caller(fresh_pair, path, long_reference):
+    """The one resume path: the edge's client continues the request on another worker from the
+    output it has, with greedy output equal to an undisturbed run."""
+    from deploy.serve_app.cluster_engine import ClusterEngineClient
+
+    ray, router, prefill, decode = fresh_pair
+    client = ClusterEngineClient(router, {MODEL: str(path)})
+    frames = _read_until_decoding(lambda: client.generate(_request("resumed", LONG)), lambda: ray.kill(decode))
+    assert frames[-1].finish_reason == "length", frames[-1].error
+    assert [t for f in frames for t in f.token_ids] == long_reference
+    assert client.num_resumed == 1 and frames[-1].worker_id == "pre2"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from typing import Any, AsyncGenerator, Protocol, runtime_checkable
 
 from scheduler.messages import GenerateRequest, OutputFrame
 
@@ -38,14 +38,11 @@ class ServedModel:
 
 @runtime_checkable
 class EngineClient(Protocol):
-    def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[OutputFrame, None]:
         """Stream the request's output; an `async def` with `yield` satisfies this.
         Errors should arrive as a frame with finish_reason="error"; the ingress also
-        copes with an exception raised mid-stream."""
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop generating for a request whose client went away; idempotent."""
+        copes with an exception raised mid-stream. The one way to stop a request is to close
+        (or cancel) its stream before the last frame: the engine then aborts it."""
         ...
 
     def models(self) -> list[ServedModel]:

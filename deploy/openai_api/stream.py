@@ -5,7 +5,8 @@ token ids and per-token times under the `tokenmux` key. With
 `stream_options.include_usage` a last chunk with empty `choices` carries `usage`.
 A failure in the engine becomes an `{"error": ...}` chunk ending the stream, never an
 exception through the HTTP layer. If the consumer goes away before the last frame
-(client disconnect, cancelled task, closed generator) the engine is told to abort. A
+(client disconnect, cancelled task, closed generator) the engine's stream is closed, which
+aborts the request there. A
 request that gets no frame for `stall_timeout_s` (a wedged worker, a lost reply) is
 aborted and ends with an error saying so; its admission ticket is released at the end.
 """
@@ -72,15 +73,13 @@ async def engine_frames(engine: EngineClient, req: GenerateRequest, ticket: Tick
     finally:
         if ticket is not None:
             ticket.release()
-        # Shielded: under a cancelled anyio scope (Starlette on disconnect) any await
-        # would be cancelled again before the abort reaches the engine.
+        # The one abort: closing the engine's stream before its last frame stops the request
+        # there (EngineClient.generate). Shielded: under a cancelled anyio scope (Starlette on
+        # disconnect) any await would be cancelled again before the close reaches the engine.
         with anyio.CancelScope(shield=True):
             if not finished:
                 logger.info("request %s left before it finished: aborting", req.request_id)
-                await engine.abort(req.request_id)
-            aclose = getattr(frames, "aclose", None)  # async generators have it; other iterators may not
-            if aclose is not None:
-                await aclose()
+            await frames.aclose()
 
 
 def _usage(req: GenerateRequest, num_completion_tokens: int) -> Usage:

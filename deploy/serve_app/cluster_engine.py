@@ -19,8 +19,11 @@ as if nothing happened; greedy output equals an undisturbed run's. A request tha
 go on (no worker left, `max_dispatches` deaths) ends with an error frame, never a silent cut.
 A router that dies is asked for again (`router_source`) until it answers or
 `router_recovery_s` passes: the supervisor restarts it and rebuilds its table.
-`abort(request_id)` cancels the request's frame stream, as leaving the stream early does;
-the worker aborts the request and frees its KV blocks when its consumer goes away.
+One abort path: a consumer that leaves the stream early (closes or cancels `generate`)
+cancels the worker's frame stream, and the worker aborts the request and frees its KV blocks
+when its consumer goes away. A request handed from a prefill to a decode worker
+(actors/handoff.py) is read from the decode worker directly from then on (`stream_frames`
+follows the handoff); the worker it is read from is the one blamed if the stream breaks.
 
 Never `ray.get` here: everything is awaited on the ingress's event loop.
 """
@@ -79,7 +82,6 @@ class ClusterEngineClient:
         self.max_dispatches = max_dispatches
         self._models = {m.name: m for m in infos}
         self._tokenizers = TokenizerCache()
-        self._streams: dict[str, FrameStream] = {}  # request_id -> the worker's frame stream
         self._releases: set[asyncio.Task] = set()   # router releases in flight (held until done)
         self.num_redispatched = 0   # sent again before their first token
         self.num_resumed = 0        # continued on another worker after tokens were sent
@@ -125,11 +127,6 @@ class ClusterEngineClient:
         finally:
             self._workers_read_at = asyncio.get_running_loop().time()
             self._workers_reading = None
-
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.cancel()  # non-blocking: the worker's generator gets CancelledError and aborts
 
     async def _router_call(self, method: str, *args: Any) -> Any:
         try:
@@ -224,7 +221,7 @@ class ClusterEngineClient:
                 return
             tried.append(worker_id)
             try:
-                stream = await self._open(handle, req, sent)
+                stream = await self._open(worker_id, handle, req, sent)
             except _WORKER_GONE:   # its place first: cancelled while reporting, it would be kept
                 self._release(worker_id, req.model, req.request_id)
                 await self._worker_failed(worker_id, req, sent)
@@ -236,7 +233,6 @@ class ClusterEngineClient:
             except BaseException:   # cancelled while the worker adopted it: its place is returned
                 self._release(worker_id, req.model, req.request_id)
                 raise
-            self._streams[req.request_id] = stream
             try:
                 async with stream:   # left early (closed or cancelled): the stream stops the worker's work
                     async for frame in stream:
@@ -244,28 +240,27 @@ class ClusterEngineClient:
                         yield frame
                         if frame.finished:
                             return
-                yield _error(req, f"worker {worker_id} ended the stream without a finish reason")
+                yield _error(req, f"worker {stream.worker_id} ended the stream without a finish reason")
                 return
-            except _WORKER_GONE:
-                await self._worker_failed(worker_id, req, sent)
+            except _WORKER_GONE:   # the worker read from now: the decode worker after a handoff
+                tried[-1] = stream.worker_id
+                await self._worker_failed(stream.worker_id, req, sent)
             except ray.exceptions.TaskCancelledError:
-                return  # aborted by us; the consumer is gone
+                return  # cancelled with its consumer
             except ray.exceptions.RayTaskError as exc:
-                yield _error(req, f"worker {worker_id} failed: {_cause(exc)}", worker_id)
+                yield _error(req, f"worker {stream.worker_id} failed: {_cause(exc)}", stream.worker_id)
                 return
             finally:
-                if self._streams.get(req.request_id) is stream:
-                    del self._streams[req.request_id]
                 self._release(worker_id, req.model, req.request_id)   # in the background: never block a finally
         yield _error(req, f"request {req.request_id} failed on {len(tried)} workers that died: {tried}"
                           + (f"; {len(sent.token_ids)} tokens were sent" if sent.token_ids else ""))
 
-    async def _open(self, handle: Any, req: GenerateRequest, sent: "_Sent") -> FrameStream:
+    async def _open(self, worker_id: str, handle: Any, req: GenerateRequest, sent: "_Sent") -> FrameStream:
         """The request's frame stream on `handle`: from the start, or adopted with what was sent."""
         if not sent.token_ids:
-            return stream_frames(handle.generate.remote(req))
-        # A new id on the worker: the dead worker may have been relaying it from this very worker
-        # (prefill/decode split), which still holds it under the old one until it notices.
+            return stream_frames(handle.generate.remote(req), worker_id)
+        # A new id on the worker: a prefill worker that died during a handoff may have left this
+        # very worker an adopted copy under the old id, held until its stream-wait runs out.
         sent.num_resumes += 1
         resumed = dataclasses.replace(req, request_id=f"{req.request_id}.resume{sent.num_resumes}")
         state = HandoffState.continuing(resumed, sent.token_ids, sent.token_times, sent.num_chars)
@@ -273,7 +268,7 @@ class ClusterEngineClient:
         if not ack.adopted and ack.error:
             raise ValueError(ack.error)
         # opened with no await after the ack: the adopted request's frames wait in its buffer
-        return stream_frames(handle.generate_prefilled.remote(resumed.request_id))
+        return stream_frames(handle.generate_prefilled.remote(resumed.request_id), worker_id)
 
     async def _worker_failed(self, worker_id: str, req: GenerateRequest, sent: "_Sent") -> None:
         if sent.token_ids:

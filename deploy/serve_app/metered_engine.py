@@ -71,9 +71,6 @@ class MeteredEngineClient:
     def tokenizer(self, model: str):
         return self.inner.tokenizer(model)
 
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
     async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
         times: list[float] = []
         outcome = FINISH_CANCELLED   # until a frame says otherwise: the consumer left early
