@@ -304,7 +304,8 @@ def test_in_cluster_callers_get_the_429_as_an_error_chunk():
 
 def test_a_request_admission_refuses_is_refused_before_it_is_tokenised():
     """Under overload most requests are refused: each refusal must cost the edge no tokenising
-    (the ingress asks admission first, then tokenises, then takes the place)."""
+    (the ingress admits once, before it tokenises; a request that is then not valid gives its
+    place back)."""
     engine = make_engine(frame_interval_s=2.0)
     tokenized = []
     tokenizer = engine.tokenizer(MODEL)
@@ -327,14 +328,18 @@ def test_a_request_admission_refuses_is_refused_before_it_is_tokenised():
     body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
 
     async def run() -> None:
-        _, first = await ingress.prepare("completions", json.dumps(body))
-        ticket = ingress.admit(first)                 # the model's one waiting place is taken
+        first = await ingress.prepare("completions", json.dumps(body))   # the model's one waiting place
         assert len(tokenized) == 1
         with pytest.raises(OpenAIError) as info:
             await ingress.prepare("completions", json.dumps(body))
         assert info.value.status == 429 and len(tokenized) == 1   # refused, never tokenised
-        ticket.release()
-        await ingress.prepare("completions", json.dumps(body))   # room again: tokenised as before
-        assert len(tokenized) == 2
+        first.ticket.release()
+        empty = {**body, "prompt": ""}
+        with pytest.raises(OpenAIError) as info:   # admitted, then found invalid: its place is given back
+            await ingress.prepare("completions", json.dumps(empty))
+        assert info.value.status == 400 and ingress.admission.waiting(MODEL) == 0
+        second = await ingress.prepare("completions", json.dumps(body))   # room again: tokenised as before
+        assert len(tokenized) == 3 and ingress.admission.waiting(MODEL) == 1
+        second.ticket.release()
 
     asyncio.run(run())

@@ -31,8 +31,9 @@ on its own), in three cases, and in no other:
    overload (`tokenmux bench chaos`): accepted streams slowed every stream and the accepted
    TTFT p99 reached 4-18x the SLO before this limit, 1.1-1.3x with it.
 
-A full edge refuses before it reads the body, and admission is asked again before tokenising,
-so a refusal costs no tokenising. Counts are per ingress replica (with R replicas the bounds are
+Each request is admitted once (`admit`), by the ingress, as soon as its model and SLO are
+parsed and before it is tokenised, so a refusal costs no tokenising; a request found invalid
+after that gives its place back. Counts are per ingress replica (with R replicas the bounds are
 R times larger), kept on its event loop. A `Ticket` follows one accepted request; `release()`
 (also on garbage collection, for a stream whose body never ran) returns its place. Accepted
 requests are never dropped later.
@@ -204,13 +205,6 @@ class Admission:
         """Predicted TTFT of a request for `model` accepted now; None when there is no estimate."""
         rate, _ = self.start_rate(model)
         return None if rate is None else (self.waiting(model) + 1) / rate
-
-    def check(self, model: str, ttft_slo_s: float) -> None:
-        """Raise the 429 that `admit` would raise now, taking nothing: the ingress asks before it
-        tokenises, so that under overload a refusal costs the edge no tokenising (a thread hop
-        and the tokenizer's work, for most requests when most are refused)."""
-        q = self._queues.get(model)   # a model never admitted has no queue to refuse on (none is made)
-        self._refuse_if_full(model, ttft_slo_s, q or _ModelQueue(self.config.rate_window))
 
     def admit(self, model: str, ttft_slo_s: float, arrived_at: float | None = None,
               late_after_s: float | None = None) -> Ticket:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import anyio
@@ -34,7 +35,7 @@ from deploy.openai_api.openapi import add_request_schemas, error_responses, gene
 from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
-from deploy.openai_api.request_builder import build_generate_request, request_slo
+from deploy.openai_api.request_builder import build_generate_request, find_model, request_slo
 from scheduler.messages import GenerateRequest, IngressRequest
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,15 @@ logger = logging.getLogger(__name__)
 _REQUEST_TYPES = {"completions": CompletionRequest, "chat.completions": ChatCompletionRequest}
 _ID_PREFIXES = {"completions": "cmpl", "chat.completions": "chatcmpl"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request the edge accepted: parsed, tokenised, and its admission ticket (its place)."""
+
+    parsed: CompletionRequest | ChatCompletionRequest
+    request: GenerateRequest
+    ticket: Ticket
 
 
 class OpenAIIngress:
@@ -57,31 +67,33 @@ class OpenAIIngress:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
         return ModelList(data=cards).model_dump()
 
-    async def prepare(self, endpoint: Endpoint, body: bytes | str
-                      ) -> tuple[CompletionRequest | ChatCompletionRequest, GenerateRequest]:
-        """JSON body -> (parsed request, GenerateRequest); raises OpenAIError (4xx)."""
+    async def prepare(self, endpoint: Endpoint, body: bytes | str, arrived: float | None = None) -> "Admitted":
+        """JSON body -> the request, admitted: its one admission decision, taken once the model and
+        SLO are known and before any tokenising (under overload most requests are refused, and a
+        refusal then costs no thread hop and no tokenizer work). Raises OpenAIError (4xx, 429).
+        arrived: when the edge began reading it (admission's clock; default now), what its TTFT
+        counts from. The ticket goes with the request's frames (`chunks`, `collect_response`)."""
         try:
             parsed = _REQUEST_TYPES[endpoint].model_validate_json(body)
         except ValidationError as e:
             raise from_validation_error(e) from None
         request_id = f"{_ID_PREFIXES[endpoint]}-{uuid.uuid4().hex}"
-        # A request admission would refuse now is refused before it costs any tokenising
-        # (admit, after it, decides again and takes the place).
-        self.admission.check(parsed.model, request_slo(parsed, self.config).ttft_s)
-        # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
-        gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id, parsed)
-        return parsed, gen_req
+        model = find_model(self.engine, parsed.model).name   # an unknown model is a 404, and gets no queue
+        ttft_s = request_slo(parsed, self.config).ttft_s
+        # Late after the larger of its SLO and the server's: a client asking for 1 ms lowers no limit.
+        ticket = self.admission.admit(model, ttft_s, arrived, late_after_s=max(ttft_s, self.config.default_slo.ttft_s))
+        try:
+            # Tokenizing (and the first tokenizer load) blocks: keep it off the event loop.
+            gen_req = await anyio.to_thread.run_sync(build_generate_request, self.engine, self.config, request_id,
+                                                     parsed)
+        except BaseException:
+            ticket.release()
+            raise
+        return Admitted(parsed, gen_req, ticket)
 
-    def admit(self, gen_req: GenerateRequest, arrived: float | None = None) -> Ticket:
-        """Accept the request (its ticket goes with its frames) or raise a 429. arrived: when the
-        edge began reading it (admission's clock; default now), what its TTFT counts from."""
-        return self.admission.admit(gen_req.model, gen_req.slo.ttft_s, arrived,
-                                    late_after_s=max(gen_req.slo.ttft_s, self.config.default_slo.ttft_s))
-
-    def chunks(self, gen_req: GenerateRequest, endpoint: Endpoint, include_usage: bool,
-               arrived: float | None = None) -> AsyncIterator[dict]:
-        """The accepted request's stream chunks (OpenAIError 429 if it is not accepted)."""
-        return stream_chunks(self.engine, gen_req, endpoint, include_usage, self.admit(gen_req, arrived),
+    def chunks(self, admitted: "Admitted", endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
+        """The admitted request's stream chunks."""
+        return stream_chunks(self.engine, admitted.request, endpoint, include_usage, admitted.ticket,
                              self.config.stall_timeout_s)
 
     async def generate_frames(self, request: IngressRequest) -> AsyncIterator[dict]:
@@ -99,8 +111,7 @@ class OpenAIIngress:
             body = dict(request.body)
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-            _, gen_req = await self.prepare(endpoint, json.dumps(body))
-            chunks = self.chunks(gen_req, endpoint, include_usage=True, arrived=arrived)
+            chunks = self.chunks(await self.prepare(endpoint, json.dumps(body), arrived), endpoint, include_usage=True)
         except OpenAIError as e:
             yield {**e.to_dict(), "status": e.status}
             return
@@ -155,16 +166,16 @@ class ClosingStreamingResponse(StreamingResponse):
 
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
     arrived = ingress.admission.clock()
-    ingress.admission.check_room()   # a full edge refuses before it reads anything
-    parsed, gen_req = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes))
+    admitted = await ingress.prepare(endpoint, await read_body(request, ingress.config.max_body_bytes), arrived)
+    parsed, gen_req = admitted.parsed, admitted.request
     if parsed.stream:
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
-        chunks = ingress.chunks(gen_req, endpoint, include_usage, arrived)
+        chunks = ingress.chunks(admitted, endpoint, include_usage)
         return ClosingStreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
-    ticket = ingress.admit(gen_req, arrived)
+    ticket = admitted.ticket
     result: dict | None = None
     failure: OpenAIError | None = None
     async with anyio.create_task_group() as tg:
