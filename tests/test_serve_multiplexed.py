@@ -8,6 +8,7 @@ import pytest
 from cluster.planner.workloads import FixedLengths, Poisson, Uniform, generate
 from load_tests.driver import run
 from load_tests.peers.serve_multiplexed import MultiplexedTarget, build_multiplexed_app, start_multiplexed
+from tests.polling import wait_until
 
 MODELS = ("llama-tiny-a", "qwen2-tiny-b", "mistral-tiny-c")
 MAX_NEW = 8
@@ -94,18 +95,33 @@ def test_driver_run_through_the_target(peer):
         assert all(c >= s - 1e-3 for c, s in zip(rec.token_times, rec.server_token_times))
 
 
-def test_abandoned_request_frees_its_replica(peer):
-    async def main():
-        agen = peer.stream(MODELS[0], [5, 6, 7], 4000, "abandoned")  # ~10 s if left running
-        first = await agen.__anext__()
-        await agen.aclose()
-        t0 = time.perf_counter()
-        _, ids, _, _ = await collect(peer, MODELS[0], [5, 6, 7], 4, "next")
-        return first, ids, time.perf_counter() - t0
+async def _replica_stats(peer, replica_id: str) -> dict:
+    """stats() of one replica: asked through the handle until that replica answers (Serve picks one)."""
+    for _ in range(100):
+        stats = await peer.handle.stats.remote()
+        if stats["replica_id"] == replica_id:
+            return stats
+    raise AssertionError(f"replica {replica_id} never answered stats()")
 
-    first, ids, elapsed = asyncio.run(main())
+
+def test_abandoned_request_frees_its_replica(peer):
+    MAX_TOKENS = 4000   # the abandoned request's: ~10 s of decoding if it were left running
+
+    async def main():
+        agen = peer.stream(MODELS[0], [5, 6, 7], MAX_TOKENS, "abandoned")
+        first = await agen.__anext__()
+        before = (await _replica_stats(peer, first.worker_id))["num_decoded"] - len(first.token_ids)
+        await agen.aclose()
+        _, ids, _, _ = await collect(peer, MODELS[0], [5, 6, 7], 4, "next")
+        return first, ids, before
+
+    first, ids, before = asyncio.run(main())
     assert first.token_ids and len(ids) == 4
-    assert elapsed < 2.0  # the replica stopped decoding the abandoned request
+    replica = lambda: asyncio.run(_replica_stats(peer, first.worker_id))   # noqa: E731
+    wait_until(lambda: replica()["num_decoding"] == 0, timeout_s=120,
+               what="the abandoned request's replica to stop decoding")
+    # left running it would have decoded all its tokens: it stopped when its client left
+    assert replica()["num_decoded"] - before < MAX_TOKENS
 
 
 def test_sampling_is_seeded(peer):

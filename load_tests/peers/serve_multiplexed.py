@@ -123,6 +123,8 @@ class MultiplexedLLM:
         self.loads: list[tuple[str, float]] = []  # (model, seconds) per load, in order
         self._tokenizers: dict[str, object] = {}
         self._lock = asyncio.Lock() if config.serialize_generation else None
+        self.num_decoded = 0    # tokens this replica decoded, over all requests
+        self.num_decoding = 0   # generation threads running now
         # Wired up here rather than as a decorated method so the cache size is a build
         # argument; Serve detects multiplexing on instance attributes too.
         # (Serve keeps the cache on the wrapped function, so that must be a plain function.)
@@ -167,10 +169,12 @@ class MultiplexedLLM:
         return self._tokenizers[name].encode(prompt)
 
     def stats(self) -> dict:
-        """This replica's id, its loads so far and its resident models (LRU first)."""
+        """This replica's id, its loads so far, its resident models (LRU first), the tokens it
+        decoded and the generations running now."""
         wrapper = getattr(self._get_model.__wrapped__, "__serve_multiplex_wrapper", None)
         resident = list(wrapper.models) if wrapper is not None else []
-        return {"replica_id": self.replica_id, "loads": list(self.loads), "resident": resident}
+        return {"replica_id": self.replica_id, "loads": list(self.loads), "resident": resident,
+                "num_decoded": self.num_decoded, "num_decoding": self.num_decoding}
 
     def _check(self, name: str, prompt, max_tokens: int, temperature: float) -> str | None:
         if name not in self.config.models:
@@ -218,15 +222,19 @@ class MultiplexedLLM:
         stop = threading.Event()
 
         def emit(token: int, t: float) -> None:
+            self.num_decoded += 1
             loop.call_soon_threadsafe(queue.put_nowait, (token, t))
 
         def run() -> None:
+            self.num_decoding += 1
             try:
                 reason, error = _decode(loaded, self.device, prompt_ids, max_tokens, ignore_eos,
                                         temperature, seed, emit, stop), None
             except Exception as e:
                 logger.exception("generation failed for %s", name)
                 reason, error = FINISH_ERROR, f"{type(e).__name__}: {e}"
+            finally:
+                self.num_decoding -= 1
             loop.call_soon_threadsafe(queue.put_nowait, (reason, error))
 
         worker = loop.run_in_executor(None, run)
