@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--idle-skip", type=float, metavar="S",
                    help="when nothing is in flight for S seconds, skip the clock to the next arrival")
+    p.add_argument("--settle", type=float, metavar="S",
+                   help="pause between measured points, so one does not leak into the next (default 1 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, help="TTFT SLO in s (default: measured, see load_tests/slo.py)")
     p.add_argument("--slo-tbt", type=float, help="TBT SLO in s (default: measured)")
@@ -175,7 +177,7 @@ def run(args) -> int:
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
     settings = RunSettings(max_requests=args.max_requests, duration_s=args.duration,
                            request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
-                           idle_skip_s=args.idle_skip)
+                           idle_skip_s=args.idle_skip, **({} if args.settle is None else {"settle_s": args.settle}))
     trace = TraceSpec(Path(args.trace).stem if args.trace else (
         args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
         args.arrival, args.cv, path=args.trace)

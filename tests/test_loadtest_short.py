@@ -115,6 +115,7 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
         "--popularity", "uniform", "--max-requests", str(MAX_REQUESTS), "--rate", "4",
         "--rates", "4,16", "--sweep", "rate", "--max-output", "12", "--max-input", "32",
         "--threads-per-worker", "1", "--request-timeout", "30", "--seeds", "0,1",
+        "--settle", "0.2",   # a short pause between points: the figures are not what this checks
         "--json", str(out), "--plots", str(plots)])
     assert args.sweep_metric == "goodput"
     assert run(args) == 0

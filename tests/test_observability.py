@@ -4,7 +4,8 @@ One app for the module (run_local, the in-process `tokenmux serve`, on the sessi
 4 tiny zoo models on 2 virtual devices whose budgets hold one model and a prefetch slot
 each (so workers switch, swap and prefetch), plus one model too big for any slot (the
 router has no worker for it). The load is closed-loop and heavy enough for placement to
-split the workers into prefill and decode (so KV handoffs happen). Prometheus is
+split the workers into prefill and decode (so KV handoffs happen); it runs until Prometheus
+has every series the tests look for (at most LOAD_S). Prometheus is
 configured by `tokenmux metrics prometheus-config` over Ray's service-discovery file,
 exactly as a user runs it, and scrapes every second.
 
@@ -30,7 +31,8 @@ MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b", "llama-c"
 SERVED = ("llama-a", "qwen-b", "llama-c", "mistral-d")
 ARGS = {"devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB, "kv_fraction": 0.25,
         "host_kv_gb": 0.01, "num_slots": 2, "slo": {"ttft_s": 5.0, "tbt_s": 0.5}}
-LOAD_S = 25.0
+LOAD_S = 25.0   # at most: the load ends as soon as Prometheus has every series the tests look for
+CHECK_S = 2.0
 CONCURRENCY = 10
 NVML_ONLY = {"tokenmux_device_power_watts", "tokenmux_device_temperature_celsius"}
 DASHBOARDS = Path(__file__).resolve().parents[1] / "deploy" / "dashboards"
@@ -47,14 +49,23 @@ def _series(name: str) -> str:
     return series + ("{" + OWN_MODELS + "}" if "model" in spec.labels else "")
 
 
-async def _load(url: str, seconds: float) -> dict:
-    """Closed-loop clients over the served models, and one request no worker can take."""
+async def _load(url: str, seconds: float, seen=lambda: False) -> dict:
+    """Closed-loop clients over the served models, and one request no worker can take; for
+    `seconds`, or less once `seen()` (asked every CHECK_S, off the event loop) says Prometheus
+    has every piece of evidence the tests look for."""
     outcomes: dict[str, int] = {}
     deadline = time.monotonic() + seconds
+    enough = asyncio.Event()
+
+    async def watch() -> None:
+        while not enough.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(CHECK_S)
+            if await asyncio.to_thread(seen):
+                enough.set()
 
     async def client(i: int, http: httpx.AsyncClient) -> None:
         k = i
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not enough.is_set():
             body = {"model": SERVED[k % len(SERVED)], "prompt": f"Request {k} of client {i}", "max_tokens": 12,
                     "temperature": 0, "ignore_eos": True}
             k += 1
@@ -65,7 +76,9 @@ async def _load(url: str, seconds: float) -> dict:
         r = await http.post(f"{url}/v1/completions", json={"model": "too-big", "prompt": "x", "max_tokens": 2},
                             timeout=60)
         outcomes["too-big"] = r.status_code
+        watcher = asyncio.create_task(watch())
         await asyncio.gather(*(client(i, http) for i in range(CONCURRENCY)))
+        watcher.cancel()
     return outcomes
 
 
@@ -83,11 +96,28 @@ def observed(ray_session, tmp_path_factory):
                   "--loopback"])
         assert done.value.code == 0
         server = PrometheusServer(tmp / "prometheus.yml", tmp)
+        evidence = _evidence()
         try:
-            outcomes = asyncio.run(_load(url, LOAD_S))
+            outcomes = asyncio.run(_load(url, LOAD_S, lambda: all(server.query(e) for e in evidence)))
             yield server, outcomes
         finally:
             server.stop()
+
+
+# Label evidence test_metrics_carry_model_and_worker_labels looks for (placement split the
+# workers under the load, KV moved between them, the too-big model found no worker).
+LABELLED = ('ray_tokenmux_router_no_worker_total{model="too-big"}',
+            'ray_tokenmux_placement_changes_total{change=~"role_.*"}',
+            'ray_tokenmux_kv_handoffs_total{outcome="handed_off", model=~"llama-c|mistral-d"} > 0',
+            'ray_tokenmux_kv_handoff_bytes_total{model=~"llama-c|mistral-d"} > 0')
+
+
+def _evidence() -> list[str]:
+    """Every query the tests below need data for: the catalogue, the labelled series, every panel."""
+    from deploy.dashboards.generate import find_panel
+
+    panels = [e for _, t, e in _dashboard_queries() if not find_panel(t).nvml_only]
+    return [_series(n) for n in CATALOG if n not in NVML_ONLY] + list(LABELLED) + panels
 
 
 def _wait_for(server: PrometheusServer, exprs: list[str], timeout_s: float = 45.0) -> list[str]:
@@ -125,11 +155,9 @@ def test_metrics_carry_model_and_worker_labels(observed):
     reasons = server.query('sum by (finished_reason) (ray_tokenmux_request_success_total{model="llama-c"})')
     assert {r["metric"]["finished_reason"] for r in reasons} == {"length"}
     assert len(server.query('ray_tokenmux_device_utilization{virtual="true"}')) >= 2
-    assert server.query('ray_tokenmux_router_no_worker_total{model="too-big"}')
-    # placement split the workers (prefill / decode) under the load, and KV moved between them
-    assert server.query('ray_tokenmux_placement_changes_total{change=~"role_.*"}')
-    assert server.query('ray_tokenmux_kv_handoffs_total{outcome="handed_off", model=~"llama-c|mistral-d"} > 0')
-    assert server.query('ray_tokenmux_kv_handoff_bytes_total{model=~"llama-c|mistral-d"} > 0')
+    # the too-big model found no worker; placement split the workers (prefill / decode) under
+    # the load, and KV moved between them
+    assert _wait_for(server, list(LABELLED)) == []
 
 
 def test_counters_agree_with_what_clients_got(observed):

@@ -74,7 +74,7 @@ def head(zoo_model):
 
 def _end_group(proc: subprocess.Popen) -> None:
     """SIGTERM the head's process group (ours alone), then SIGKILL what is left."""
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    for sig, wait_s in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):   # `ray start --block` takes >15 s to end on TERM
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
