@@ -18,6 +18,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 NUM_VIRTUAL_GPUS = 4
+SHUTDOWN_WAIT_S = 60.0
+
+
+def session_num_gpus() -> int:
+    """GPUs the session Ray declares: virtual ones on a CPU host; on a CUDA host the real ones,
+    since Ray gives each worker `CUDA_VISIBLE_DEVICES=<its GPU id>`, and a virtual id past the
+    real devices leaves that worker without CUDA (the serve-app GPU test's setup error on the
+    H200, where 4 declared GPUs made 3 workers with no device)."""
+    if not _has_cuda():
+        return NUM_VIRTUAL_GPUS
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _has_cuda() -> bool:
@@ -49,7 +62,7 @@ def ray_session():
     temp_dir = tempfile.mkdtemp(prefix="tmr", dir="/tmp")
     ray.init(
         num_cpus=4,
-        num_gpus=NUM_VIRTUAL_GPUS,
+        num_gpus=session_num_gpus(),
         include_dashboard=False,
         object_store_memory=512 * 1024 * 1024,
         _temp_dir=temp_dir,
@@ -59,7 +72,22 @@ def ray_session():
         _system_config={"metrics_report_interval_ms": 1000},   # metrics reach Prometheus within ~1 s, not 10
     )
     yield ray
-    ray.shutdown()
+    _shutdown(ray)
+
+
+def _shutdown(ray) -> None:
+    """ray.shutdown(), waited for at most SHUTDOWN_WAIT_S: on the H200 the session once hung
+    after its last test, and the GPU check lost every result with it; a shutdown that does not
+    return is reported and left behind (its threads die with the process)."""
+    import threading
+
+    done = threading.Thread(target=ray.shutdown, daemon=True, name="ray-shutdown")
+    done.start()
+    done.join(SHUTDOWN_WAIT_S)
+    if done.is_alive():
+        import warnings
+
+        warnings.warn(f"ray.shutdown() did not return within {SHUTDOWN_WAIT_S:g} s; leaving it")
 
 
 @pytest.fixture(scope="session")
