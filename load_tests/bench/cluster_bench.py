@@ -13,8 +13,9 @@ A handoff is timed as a prefill worker sees it, through the code a worker runs
 (actors/handoff.py): export of the request's blocks from the sender's pool, the descriptor
 riding on the one dispatch to the receiver (`adopt_prefilled`, answering the HandoffAck),
 the receiver's import into its pool on a thread of its own (a worker imports on its engine
-thread), the ack back, the frame stream opened (`generate_prefilled`), release on the
-sender. The copy it is divided by is one memcpy of
+thread), the ack back, the frame stream opened (`generate_prefilled`; in serving the caller
+opens it when the prefill worker's last frame names the receiver, here the sender makes that
+one call), release on the sender. The copy it is divided by is one memcpy of
 the same bytes (contiguous to contiguous, same thread count) in the receiver's process,
 timed in the same iteration; iterations alternate which goes first. Each ratio is
 median(handoff) / median(copy), with a 95% bootstrap interval (2,000 resamples of the
@@ -281,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from actors.engine import EngineConfig
     from actors.worker import DeviceWorker
     from cluster.router import GlobalRouter
     from actors.zoo.zoo import ensure_model
@@ -307,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         pin = lambda n: NodeAffinitySchedulingStrategy(n, soft=False)   # noqa: E731
 
         worker = ray.remote(DeviceWorker).options(num_gpus=1, num_cpus=0, scheduling_strategy=pin(head)).remote(
-            "w0", ENGINE, num_threads=args.threads, node_id=head)
+            "w0", EngineConfig(**ENGINE), num_threads=args.threads, node_id=head)
         router = GlobalRouter.options(scheduling_strategy=pin(head)).remote(poll_interval_s=0.5)
         actors += [worker, router]
         ray.get(worker.register_model.remote(ROUTER_MODEL, tiny))
