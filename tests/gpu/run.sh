@@ -12,6 +12,9 @@
 #   4. the end-to-end load test: 8 x qwen2.5-7b shapes on the GPU, token vs request vs Ray Serve
 #      multiplexed, goodput (`tokenmux loadtest --published --gpu`; its quick form when less than
 #      TOKENMUX_GPU_FULL_LOADTEST_S is left; TOKENMUX_GPU_LOADTEST=0 skips it).
+# TOKENMUX_GPU_STEPS (comma list of step names, default all: ray_check, gpu_tests, kv_ipc_bench,
+# engine_bench, gpu_loadtest) runs only those: a session that has measured the rest gives the
+# load test the whole budget with TOKENMUX_GPU_STEPS=ray_check,gpu_loadtest.
 # Results: $OUT (or /tmp/tokenmux-gpu-check): gpu-check.json (every figure and each step's outcome)
 # and detail.tgz (logs, junit xml, each benchmark's own JSON and records): two files, so that they
 # fit what one device call brings back. Exit status: non-zero if a step failed.
@@ -43,6 +46,7 @@ step() {
 }
 run_step() {   # NAME CAP CMD...: runs CMD under the time it is allowed, logs to detail/NAME.log
     local name=$1 cap=$2 t0 rc secs; shift 2
+    case ",${TOKENMUX_GPU_STEPS:-$name}," in *",$name,"*) ;; *) echo "== $name: skipped (TOKENMUX_GPU_STEPS)"; return;; esac
     secs=$(allow "$cap")
     if [ "$secs" -lt 20 ]; then echo "== $name: skipped (budget spent)"; step "$name" 124 0; return; fi
     echo "== $name (up to $secs s)"
