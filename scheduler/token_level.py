@@ -33,6 +33,7 @@ the next batch of the round), so the engine can copy its weights in the backgrou
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scheduler import deadlines
@@ -121,37 +122,45 @@ class TokenLevelPolicy(SchedulingPolicy):
     # -- prefill groups ------------------------------------------------------------------
 
     def _start_group(self, now: float) -> SchedulerOutput | None:
-        group = self._next_group(now)
-        if group is None:
-            return None
-        self._group = group
-        self._turn = None
-        return self._continue_group(now)
+        """The first step of the first group that can start: a group whose prefill finds no room
+        (another model's half-prefilled request holds the blocks, say) gives way to the next, or
+        the device would idle while a request that can run waits behind it (found by
+        test_random_workloads_always_finish_and_free_everything: every request waiting, none
+        running, and schedule() None for ever)."""
+        for group in self._groups(now):
+            self._group = group
+            self._turn = None
+            output = self._continue_group(now)
+            if output is not None:
+                return output
+        return None
 
-    def _next_group(self, now: float) -> tuple[str, list[str]] | None:
-        """The group to prefill next: (model, request ids), or None."""
+    def _groups(self, now: float) -> Iterator[tuple[str, list[str]]]:
+        """The groups to prefill next, the first choice first: (model, request ids)."""
         if not self.planner.reserved and not any(self.waiting.values()):   # most calls: nothing waits
-            return None
+            return
         due = self.planner.switch_due(now)
         if not self.config.overload_control:
-            model = self._oldest_waiting_model() if due else self._oldest_joining_model()
-            if model is None:
-                return None
-            return model, [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
+            first = self._oldest_waiting_model() if due else self._oldest_joining_model()
+            if first is None:
+                return
+            rest = sorted((q[0] for m, q in self.waiting.items() if q and m != first and due), key=self._age_key)
+            for model in [first] + [r.model for r in rest]:
+                yield model, [r.request_id for r in list(self.waiting[model])[: self.config.max_prefill_group]]
+            return
         while (reserved := self.planner.pop_reserved()) is not None:   # the round made room for these
             model, ids = reserved
             queued = {r.request_id for r in self.waiting.get(model, ())}
             ids = [rid for rid in ids if rid in queued]
             if ids:
-                return model, self.prefill.within_credit(model, ids)
+                yield model, self.prefill.within_credit(model, ids)
         # by TTFT deadline, those already late last until they are aged (see overload.priority)
         heads = sorted((q[0] for m, q in self.waiting.items() if q and (due or self._has_decode_work(m))),
                        key=lambda r: (deadlines.goes_last(r, now), self._ttft_key(r)))
         for head in heads:
             members = self.prefill.admissible(head.model, now)
             if members:
-                return head.model, members
-        return None
+                yield head.model, members
 
     def _continue_group(self, now: float) -> SchedulerOutput | None:
         if self._group is None:
@@ -237,7 +246,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         waiting = any(m != model and self.waiting[m] for m in self.models) and self.planner.switch_due(now)
         if not waiting or not self.config.overload_control:
             return waiting
-        group = self._next_group(now)
+        group = next(self._groups(now), None)
         return group is not None and group[0] != model
 
     def _start_turn(self, now: float) -> SchedulerOutput | None:

@@ -456,6 +456,23 @@ arrival = st.tuples(
 @given(arrivals=st.lists(arrival, min_size=1, max_size=20), host_slabs=st.sampled_from([0, 2, 16]),
        aborts=st.lists(st.integers(0, 60), max_size=3), seed=st.integers(0, 1000))
 def test_random_workloads_always_finish_and_free_everything(cls, smooth, arrivals, host_slabs, aborts, seed):
+    run_random_workload(cls, smooth, arrivals, host_slabs, aborts, seed)
+
+
+def test_a_prefill_without_room_gives_way_to_one_that_can_run():
+    """A case the random workloads found (1 make test run in ~5): every request waiting, none
+    running, the first group by TTFT finding no room (a half-prefilled request of the other model
+    held the blocks), and schedule() None for ever while that request could have gone on."""
+    arrivals = [(11, "b", 7, 24, True), (7, "b", 18, 13, False), (4, "b", 18, 7, False), (20, "a", 27, 3, True),
+                (12, "a", 7, 7, False), (14, "b", 34, 11, True), (14, "b", 26, 3, True), (20, "a", 35, 21, False),
+                (25, "b", 27, 6, True), (24, "a", 8, 9, True), (19, "b", 13, 12, True), (24, "b", 29, 20, False),
+                (13, "b", 15, 21, True), (4, "a", 14, 21, False)]
+    run_random_workload(TokenLevelPolicy, True, arrivals, host_slabs=16, aborts=[5, 53, 37], seed=480)
+
+
+def run_random_workload(cls, smooth, arrivals, host_slabs, aborts, seed):
+    """Arrivals (step, model, prompt tokens, max_tokens, ignore_eos) on 3 slabs of KV: every
+    request finishes, with its length when it ran to max_tokens, and every block is free after."""
     # smooth: both models resident, so rounds run in slices and prefill is split and spread
     policy = make_policy(cls, num_slabs=3, host_slabs=host_slabs,
                          config=SchedulerConfig(max_prefill_tokens=48, smooth_streams=smooth))
