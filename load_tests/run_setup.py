@@ -154,4 +154,6 @@ def scheduler_overrides(args) -> dict:
         out["quota_switch_factor"] = None
     if getattr(args, "no_overload_control", False):
         out["overload_control"] = False
+    if getattr(args, "no_ttft_slack", False):
+        out["ttft_slack"] = False
     return out

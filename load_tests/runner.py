@@ -106,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="token contender: Aegaeon's fixed Q_max, no cap at a multiple of the switch cost")
     p.add_argument("--no-overload-control", action="store_true",
                    help="token contender: every batch shares the device even when alpha > 1")
+    p.add_argument("--no-ttft-slack", action="store_true",
+                   help="token contender: switches by its quota rule alone, without the waiting "
+                        "requests' TTFT slack (scheduler/ttft_slack.py)")
     p.add_argument("--arrival", choices=("gamma", "poisson", "onoff"), default="gamma")
     p.add_argument("--cv", type=float, default=4.0, help="Gamma arrivals: coefficient of variation")
     # Zipf by default: Aegaeon's calibrated long tail (94.1% of models get 1.35% of requests)

@@ -36,6 +36,7 @@ def test_contract_flags_parse_into_the_loadtest_command():
                                       "--no-overload-control", "--published", "--quick"])
     assert args.sweep_metric == "cumulative" and args.published and args.quick
     assert scheduler_overrides(args) == {"quota_switch_factor": None, "overload_control": False}
+    assert scheduler_overrides(build_parser().parse_args(["loadtest", "--no-ttft-slack"])) == {"ttft_slack": False}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["loadtest", "--sweep-metric", "median"])
 

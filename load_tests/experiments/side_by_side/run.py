@@ -1,12 +1,13 @@
 """One benchmark command, run on two trees of the code in one run, alternating: before and after.
 
     .venv/bin/python load_tests/experiments/side_by_side/run.py BEFORE_TREE AFTER_TREE OUT_DIR \
-        [--rounds 2] -- bench cluster
+        [--rounds 2] [--after-args "--no-ttft-slack"] -- bench cluster
 
 runs `python -m deploy.cli.main <command> --json FILE` from each tree (a `git worktree add` of
 each revision; PYTHONPATH and the working directory are the tree's, the interpreter and its
 packages this one's), before, after, before, after, ... so that the host's load falls on both
-alike. Writes OUT_DIR/<label>-<round>.json (each run's own JSON) and OUT_DIR/side-by-side.json:
+alike; `--after-args` are added to the after tree's command only (e.g. an ablation flag that
+turns off a change the comparison is not about). Writes OUT_DIR/<label>-<round>.json (each run's own JSON) and OUT_DIR/side-by-side.json:
 every numeric field the runs share, each tree's median over its rounds, and after / before.
 Exit status 1 when a run failed (its log is OUT_DIR/<label>-<round>.log).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -47,7 +49,15 @@ def compare(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return table
 
 
+def revision(tree: Path) -> str:
+    """The tree's commit, with "+changes" when its files differ from it."""
+    git = lambda *a: subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def run_once(tree: Path, command: list[str], out: Path, log: Path) -> tuple[int, float]:
+    """`command --json out` from `tree`, its output to `log`: (exit status, seconds)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     start = time.monotonic()
     with log.open("w") as sink:
@@ -64,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("after", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--after-args", default="", help="extra arguments of the after tree's command")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
     if not command:
@@ -75,15 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.rounds):
         for label in ("before", "after"):
             out, log = args.out_dir / f"{label}-{i}.json", args.out_dir / f"{label}-{i}.log"
-            rc, secs = run_once(getattr(args, label).resolve(), command, out, log)
+            extra = shlex.split(args.after_args) if label == "after" else []
+            rc, secs = run_once(getattr(args, label).resolve(), command + extra, out, log)
             print(f"{label} round {i}: rc {rc}, {secs:.0f} s", flush=True)
             wall[label].append(secs)
             if rc != 0 or not out.exists():
                 failed.append(f"{label}-{i}")
                 continue
             runs[label].append(json.loads(out.read_text()))
-    result = {"command": command, "rounds": args.rounds, "order": "before, after, alternating",
-              "trees": {"before": str(args.before), "after": str(args.after)}, "wall_s": wall,
+    result = {"command": command, "after_args": args.after_args, "rounds": args.rounds, "order": "before, after, alternating",
+              "trees": {label: {"path": str(tree), "revision": revision(tree)}
+                        for label, tree in (("before", args.before), ("after", args.after))}, "wall_s": wall,
               "failed": failed, "fields": compare(runs) if all(runs.values()) else {}}
     (args.out_dir / "side-by-side.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
