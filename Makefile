@@ -11,10 +11,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # Reinstall only when pyproject.toml changes; torch is pinned so pip takes the local CPU wheel.
-# --no-compile: Python compiles what is imported, when it is first imported; compiling every file
-# of torch, ray and the rest up front took ~50 of the install's ~75 s here.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
