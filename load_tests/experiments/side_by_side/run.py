@@ -1,7 +1,7 @@
 """One benchmark command, run on two trees of the code in one run, alternating: before and after.
 
     .venv/bin/python load_tests/experiments/side_by_side/run.py BEFORE_TREE AFTER_TREE OUT_DIR \
-        [--rounds 2] [--after-args "--no-ttft-slack"] -- bench cluster
+        [--rounds 2] [--after-args=--no-ttft-slack] -- bench cluster
 
 runs `python -m deploy.cli.main <command> --json FILE` from each tree (a `git worktree add` of
 each revision; PYTHONPATH and the working directory are the tree's, the interpreter and its
