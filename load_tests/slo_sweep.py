@@ -82,8 +82,9 @@ def check_contenders(contenders) -> tuple[str, ...]:
 
 
 def run_slo_sweep(out_dir: str | Path, *, preset: Preset | None = None, shapes=SHAPES,
-                  contenders=("token", "request")) -> dict:
-    """Run every shape not yet in out_dir, then summarise the folder; returns the summary."""
+                  contenders=("token", "request"), scheduler: dict | None = None) -> dict:
+    """Run every shape not yet in out_dir, then summarise the folder; returns the summary.
+    scheduler: SchedulerConfig fields of the token contender (the ablation flags)."""
     from cluster.ray_runtime import connect_or_start
     from load_tests.experiment import TraceSpec, write_json
     from load_tests.run_setup import served_models
@@ -103,7 +104,7 @@ def run_slo_sweep(out_dir: str | Path, *, preset: Preset | None = None, shapes=S
         if path.is_file():
             logger.info("%s: %s is there, not run again", shape, path)
             continue
-        write_json(path, run_shape(shape, slo, p, models, base, traces, contenders, out))
+        write_json(path, run_shape(shape, slo, p, models, base, traces, contenders, out, scheduler or {}))
     summary = summarize_folder(out)
     write_json(out / SUMMARY, summary)
     (out / REPORT).write_text(report_markdown(summary))
@@ -128,7 +129,8 @@ def _base_slo(out: Path, models: dict, args, p: Preset) -> dict:
     return base
 
 
-def run_shape(shape: str, slo, p: Preset, models: dict, base: dict, traces, contenders, out: Path) -> dict:
+def run_shape(shape: str, slo, p: Preset, models: dict, base: dict, traces, contenders, out: Path,
+              scheduler: dict | None = None) -> dict:
     """Every contender on every trace with `slo` given to the engines; the shape's JSON."""
     from load_tests.analysis import analyze_trace
     from load_tests.contenders import Deployment
@@ -143,14 +145,14 @@ def run_shape(shape: str, slo, p: Preset, models: dict, base: dict, traces, cont
     settings = RunSettings(max_requests=p.max_requests, request_timeout_s=timeout, settle_s=p.settle_s,
                            idle_skip_s=p.idle_skip_s)
     deployment = Deployment(models, 1, engine_config(models, args), p.threads, slo)
-    ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric)
+    ex = Experiment(deployment, args, settings, seeds=p.seeds, metric=p.metric, scheduler=dict(scheduler or {}))
     mu = service_rate(base["derived_from"], ex, traces)
     slo_dict = {"ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}
     ex.records.run = {"shape": shape, "slo": slo_dict, "measured_slo": base, "preset": asdict(p),
                       "request_timeout_s": timeout, "service_rate_rps": mu,
                       "deployment": {"models": models, "num_workers": 1, "threads_per_worker": p.threads,
                                      "engine": deployment.engine},
-                      "traces": [t.describe() for t in traces], "workload": vars(args)}
+                      "traces": [t.describe() for t in traces], "workload": vars(args), "scheduler": ex.scheduler}
     records = out / f"{slug(shape)}.records.jsonl.gz"
     rates: dict[str, dict[str, list[float]]] = {t.name: {} for t in traces}
     given: dict[str, dict | None] = {}
@@ -176,7 +178,8 @@ def run_shape(shape: str, slo, p: Preset, models: dict, base: dict, traces, cont
     result = {"shape": shape, "slo": slo_dict, "measured_slo": {k: base[k] for k in ("ttft_s", "tbt_s")},
               "contenders": list(contenders), "slo_given_to_engines": given,
               "slo_given_note": "the SLO each contender's requests carried (null: the contender takes none)",
-              "seeds": list(p.seeds), "max_requests_per_point": p.max_requests, "service_rate_rps": mu,
+              "scheduler": ex.scheduler, "seeds": list(p.seeds), "max_requests_per_point": p.max_requests,
+              "service_rate_rps": mu,
               "request_timeout_s": timeout, "records": records.name, "traces": {}}
     for t in traces:
         analysis = analyze_trace(ex.records, t.name, slo, p.threshold, p.metric)
@@ -282,7 +285,9 @@ def run_from_args(args) -> int:
         p = replace(quick_preset(), seeds=tuple(args.seeds[:1]))
     else:
         p = replace(Preset.short(), seeds=tuple(args.seeds), max_requests=args.max_requests)
+    from load_tests.run_setup import scheduler_overrides
+
     summary = run_slo_sweep(args.out or "docs/results/slo-sweep", preset=p, shapes=tuple(args.slo_shapes),
-                            contenders=tuple(args.contenders))
+                            contenders=tuple(args.contenders), scheduler=scheduler_overrides(args))
     print(report_markdown(summary))
     return 0
