@@ -58,7 +58,7 @@ def test_sweep_runs_each_contender_at_the_shape_with_its_slo(ray_session, zoo_mo
     out = tmp_path / "sweep"
     args = build_parser().parse_args([
         "loadtest", "--sweep", "slo", "--quick", "--slo-shapes", "ttft:tpot=100",
-        "--contenders", ",".join(CONTENDERS), "--seeds", "0", "--out", str(out)])
+        "--contenders", ",".join(CONTENDERS), "--seeds", "0", "--out", str(out), "--no-ttft-slack"])
     from load_tests.runner import run
 
     assert run(args) == 0
@@ -71,6 +71,7 @@ def test_sweep_runs_each_contender_at_the_shape_with_its_slo(ray_session, zoo_mo
     assert given["multiplexed-1"] is None   # the Serve peer takes no SLO
     records = read_records(out / data["records"])
     assert records.run["slo"] == data["slo"] and records.run["shape"] == "ttft:tpot=100"
+    assert data["scheduler"] == records.run["scheduler"] == {"ttft_slack": False}   # the ablation flag
     for trace in ("bursty", "poisson"):
         row = data["traces"][trace]
         assert set(row["max_rate"]) == set(CONTENDERS) == set(row["rates"])
