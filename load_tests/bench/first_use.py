@@ -175,7 +175,7 @@ def bare_many_streams() -> dict:
 
 
 def zoo_sdk(per_model: int = 8, max_tokens: int = 16) -> dict:
-    from load_tests.zoo import ensure_model
+    from actors.zoo.zoo import ensure_model
 
     prompts = _prompts(per_model)
     with _serve(",".join(ZOO_MODELS)) as url:
