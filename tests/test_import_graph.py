@@ -37,22 +37,28 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
-    """Project modules that `name` imports (the most specific module each import names)."""
+def _statements(path: Path, name: str):
+    """(base, names) of each import in `name`, relative imports resolved: `import a.b` gives
+    ("a.b", []), `from .x import y, z` gives ("pkg.x", ["y", "z"])."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
+            for alias in node.names:
+                yield alias.name, []
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            # `from pkg import sub` imports the submodule; `from mod import name`, the module.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        else:
-            continue
+            yield base, [a.name for a in node.names]
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """Project modules that `name` imports (the most specific module each import names)."""
+    found = set()
+    for base, names in _statements(path, name):
+        # `from pkg import sub` imports the submodule; `from mod import name`, the module.
+        targets = [f"{base}.{n}" if f"{base}.{n}" in modules else base for n in names] or [base]
         for target in targets:
             while target and target not in modules:
                 target = target.rpartition(".")[0]
@@ -136,21 +142,7 @@ def _within(module: str, package: str) -> bool:
 def _missing_modules(path: Path, name: str, modules: dict[str, Path]) -> list[str]:
     """Project modules that `name` imports by a name no file has (a lazy import left behind by
     a move fails only when its function runs)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    missing = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            targets = [base]
-        else:
-            continue
-        missing += [t for t in targets if t.split(".")[0] in PACKAGES and t not in modules]
-    return missing
+    return [base for base, _ in _statements(path, name) if base.split(".")[0] in PACKAGES and base not in modules]
 
 
 def test_every_project_import_names_a_module_that_exists():
