@@ -104,7 +104,7 @@ def run_slo_sweep(out_dir: str | Path, *, preset: Preset | None = None, shapes=S
         if path.is_file():
             logger.info("%s: %s is there, not run again", shape, path)
             continue
-        write_json(path, run_shape(shape, slo, p, models, base, traces, contenders, out, scheduler or {}))
+        write_json(path, run_shape(shape, slo, p, models, base, traces, contenders, out, scheduler))
     summary = summarize_folder(out)
     write_json(out / SUMMARY, summary)
     (out / REPORT).write_text(report_markdown(summary))
@@ -281,12 +281,12 @@ def _flat(row: dict, key: str) -> dict:
 def run_from_args(args) -> int:
     """`tokenmux loadtest --sweep slo`: the reduced preset (--quick: quick_preset), --seeds,
     --max-requests, --contenders, --slo-shapes, into --out (default docs/results/slo-sweep)."""
+    from load_tests.run_setup import scheduler_overrides
+
     if args.quick:
         p = replace(quick_preset(), seeds=tuple(args.seeds[:1]))
     else:
         p = replace(Preset.short(), seeds=tuple(args.seeds), max_requests=args.max_requests)
-    from load_tests.run_setup import scheduler_overrides
-
     summary = run_slo_sweep(args.out or "docs/results/slo-sweep", preset=p, shapes=tuple(args.slo_shapes),
                             contenders=tuple(args.contenders), scheduler=scheduler_overrides(args))
     print(report_markdown(summary))
