@@ -40,10 +40,11 @@ class BatchLoads:
         batch = p.running[model][: p.config.max_batch_size] + list(extra)
         step = p.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
         step += self.overhead.step_s
-        lost = not extra and all(deadlines.lost(r, now, step) for r in batch)
+        per_token = p.config.slo_measure == "per_token"
+        lost = not extra and all(deadlines.lost(r, now, step, per_token) for r in batch)
         aged = lost and any(deadlines.stalled(r, now) for r in batch)
         return BatchLoad(model, min(r.slo.tbt_s for r in batch), step, p.estimator.predict_switch(model),
-                         min(deadlines.slack(r, now) for r in batch), lost=lost, aged=aged)
+                         min(deadlines.slack(r, now, per_token) for r in batch), lost=lost, aged=aged)
 
     def waiting_load(self, model: str, now: float, requests: Sequence[Request]) -> BatchLoad:
         """`model`'s batch were its waiting `requests` prefilled to start it this round."""

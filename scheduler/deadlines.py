@@ -1,8 +1,14 @@
 """When a request's next token is due, and which requests are past saving (overload.py's slack).
 
-A waiting request's first token is due by arrival + TTFT; a stream's token k after its first by
-first + k x TBT (its mean-TPOT budget, which a fast first token does not widen). Time a stream
-has banked by running ahead of that is its slack. Overload control (scheduler/overload.py)
+A waiting request's first token is due by arrival + TTFT. A stream's token k after its first is
+due by one of two measures (`SchedulerConfig.slo_measure`):
+
+- "mean_tpot" (goodput, as vLLM's benchmark and the load test score): by first + k x TBT, its
+  mean-TPOT budget, which a fast first token does not widen;
+- "per_token" (Aegaeon's per-token deadlines, the planner's strict and cumulative measures): by
+  arrival + TTFT + k x TBT, so a first token that came early banks its lead for the stream.
+
+Time a stream has banked by running ahead of that is its slack. Overload control (scheduler/overload.py)
 orders batches by it; a request already late goes last, until it is `aged` (late by LATE_AGE x
 its TTFT SLO), when its deadline, the earliest, puts it first again.
 """
@@ -15,30 +21,40 @@ from scheduler.request import Request
 LATE_AGE = 0.5  # a late request goes last until it is late by this x its TTFT SLO (overload.py)
 
 
-def slack(request: Request, now: float) -> float:
+MEASURES = ("mean_tpot", "per_token")
+
+
+def _stream_origin(request: Request, per_token: bool) -> float:
+    """When a stream's token 0 is due by its measure; token k is due k x TBT later."""
+    if per_token:
+        return request.arrival_time + request.slo.ttft_s
+    return request.first_token_time
+
+
+def slack(request: Request, now: float, per_token: bool = False) -> float:
     """Until the request's next token is due (negative: late)."""
     if request.first_token_time is None:
         return request.arrival_time + request.slo.ttft_s - now
-    return request.first_token_time + request.num_output_tokens * request.slo.tbt_s - now
+    return _stream_origin(request, per_token) + request.num_output_tokens * request.slo.tbt_s - now
 
 
-def last_slack(request: Request, now: float, step_s: float) -> float:
-    """A stream's laxity were it to run to max_tokens: its last token is due at first +
+def last_slack(request: Request, now: float, step_s: float, per_token: bool = False) -> float:
+    """A stream's laxity were it to run to max_tokens: its last token is due at origin +
     (max_tokens - 1) * TBT, and its remaining tokens take `step_s` each at full speed.
     inf for a request with no token yet (not a stream)."""
     if request.first_token_time is None:
         return math.inf
     n = request.sampling_params.max_tokens
     left = n - request.num_output_tokens
-    return request.first_token_time + (n - 1) * request.slo.tbt_s - now - left * step_s
+    return _stream_origin(request, per_token) + (n - 1) * request.slo.tbt_s - now - left * step_s
 
 
-def lost(request: Request, now: float, step_s: float) -> bool:
+def lost(request: Request, now: float, step_s: float, per_token: bool = False) -> bool:
     """A stream whose mean TPOT misses whatever the rounds do from now: late at full speed
     (`step_s` a token) whether it ends with its next token or at max_tokens. Its laxity is
     linear in where it ends, so those two are its best cases. Never a request with no token
     yet (its `last_slack` is inf)."""
-    return max(slack(request, now) - step_s, last_slack(request, now, step_s)) < 0
+    return max(slack(request, now, per_token) - step_s, last_slack(request, now, step_s, per_token)) < 0
 
 
 def aged(request: Request, now: float) -> bool:

@@ -39,6 +39,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
+from scheduler import deadlines
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
@@ -59,12 +60,20 @@ class SchedulerConfig:
     # token-level: a switch to a model with no decode batch waits while every waiting request can
     # still make its TTFT (scheduler/ttft_slack.py); False: the quota rule alone (an ablation)
     ttft_slack: bool = True
+    # what the SLO promises of a stream's tokens after its first (scheduler/deadlines.py):
+    # "mean_tpot" (goodput: mean TPOT from the first token) or "per_token" (Aegaeon's deadlines,
+    # arrival + TTFT + k x TBT; the planner's strict measure). Token-level plans by it.
+    slo_measure: str = "mean_tpot"
     # split a prompt whose prefill exceeds a round's prefill budget while streams decode (token-level)
     chunked_prefill: bool = True
     # token-level, all resident, room to spare (alpha <= 0.5): quotas run in slices round-robin
     # and prefill is spread between them (smoother streams; TTFT and throughput pay for it)
     smooth_streams: bool = False
-    admit_alpha: float = 0.9  # overload control admits new requests while the next round's alpha <= this
+    # overload control admits new requests while the next round's alpha <= this. None: by the
+    # measure, 0.9 under mean TPOT (headroom for a misestimated round, which no stream has slack
+    # to absorb) and 1.0 under per-token deadlines (a stream's first token banks a reserve of its
+    # TTFT, scheduler/ttft_slack.py, which is that headroom)
+    admit_alpha: float | None = None
     max_decode_steps: int = 8  # decode steps the engine may run back to back per schedule call (1: one)
     # all resident: turns (up to max_decode_steps) long enough that a turn's fixed engine cost
     # is at most this share of it (None: min_quota_steps; see scheduler/quota.py)
@@ -78,17 +87,27 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
         if not self.quota_max_s > 0:
             raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
-        if not 0 < self.admit_alpha <= 1:
-            raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1], got {self.admit_alpha!r}")
+        if self.admit_alpha is not None and not 0 < self.admit_alpha <= 1:
+            raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1] or None, got {self.admit_alpha!r}")
         for name in ("overload_control", "ttft_slack", "chunked_prefill", "smooth_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.slo_measure not in deadlines.MEASURES:
+            raise ValueError(f"SchedulerConfig.slo_measure must be one of {', '.join(deadlines.MEASURES)}, "
+                             f"got {self.slo_measure!r}")
         if self.turn_overhead_frac is not None and not 0 < self.turn_overhead_frac < 1:
             raise ValueError(f"SchedulerConfig.turn_overhead_frac must be in (0, 1) or None, "
                              f"got {self.turn_overhead_frac!r}")
         if self.quota_switch_factor is not None and not self.quota_switch_factor > 0:
             raise ValueError(f"SchedulerConfig.quota_switch_factor must be > 0 or None, "
                              f"got {self.quota_switch_factor!r}")
+
+    @property
+    def admission_alpha(self) -> float:
+        """The alpha a round may reach with a new batch admitted (admit_alpha, or by the measure)."""
+        if self.admit_alpha is not None:
+            return self.admit_alpha
+        return 1.0 if self.slo_measure == "per_token" else 0.9
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ A round of alpha < 1 leaves its decoding streams a prefill budget T0 x (1 / alph
 (scheduler/overload.py). The policy keeps it as a token bucket, `credit_s`: each decode step
 adds its share (1 / alpha - 1) x its time, up to one round's budget; each prefill spends its
 time. Under overload control a waiting request is admitted (prefilled) only while its model's
-batch still fits the next round with `admit_alpha` to spare and its prefill fits the credit
+batch still fits the next round with `SchedulerConfig.admission_alpha` to spare and its prefill fits the credit
 (one request of a full bucket may exceed it, never a group).
 
 Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
@@ -75,7 +75,7 @@ class PrefillBudget:
             # group: a group of 8 long prompts in one prefill stalled every stream 30-120 ms
             if not admits(others + [batch], rule, prefill_s, self.credit_s,
                           first_prefill=not chosen and self.credit_s >= self.cap_s,
-                          max_alpha=p.config.admit_alpha):
+                          max_alpha=p.config.admission_alpha):
                 break
             chosen = trial
         return [r.request_id for r in chosen]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, plan_round, select_round
-from scheduler.ttft_slack import PendingGroup, switch_due
+from scheduler.ttft_slack import PendingGroup, planned_deadline, switch_due
 
 if TYPE_CHECKING:
     from scheduler.policy import SchedulingPolicy
@@ -115,7 +115,7 @@ class RoundPlanner:
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
             guard = 2 * everyone.decode_s
             self.candidates, self.guard_s = tuple(loads + prospective), guard
-            plan = select_round(loads + prospective, rule, p.config.admit_alpha, guard)
+            plan = select_round(loads + prospective, rule, p.config.admission_alpha, guard)
             self._reserved = {m: [r.request_id for r in groups[m]] for m in plan.models if m in groups}
         else:
             self.candidates, self.guard_s = tuple(loads), 0.0
@@ -173,6 +173,7 @@ class RoundPlanner:
         """The waiting requests of models not decoding, in the groups they would be prefilled in."""
         p = self.policy
         size = p.config.max_prefill_group
+        per_token = p.config.slo_measure == "per_token"
         groups = []
         for model, queue in p.waiting.items():
             if not queue or model in decoding:
@@ -182,7 +183,7 @@ class RoundPlanner:
             for i in range(0, len(requests), size):
                 group = requests[i: i + size]
                 prefill = p.estimator.predict_prefill(model, sum(r.num_new_tokens for r in group), len(group))
-                deadline = min(r.arrival_time + r.slo.ttft_s for r in group)
+                deadline = min(planned_deadline(r.arrival_time, r.slo.ttft_s, per_token) for r in group)
                 groups.append(PendingGroup(model, deadline, switch + prefill))
         return groups
 

@@ -344,6 +344,11 @@ def test_a_stream_is_lost_when_even_full_speed_to_max_tokens_ends_late():
     assert deadlines.last_slack(r, 1.7, 0.01) < 0 and deadlines.lost(r, 1.7, 0.01)
     # a step longer than the TBT SLO: ending sooner is its best case, and that is judged too
     assert deadlines.last_slack(r, 0.52, 0.06) < 0 and not deadlines.lost(r, 0.4, 0.06)
+    # per-token deadlines (arrival + TTFT + k x TBT, TTFT 0.3 s): its first token at 0 banked
+    # 0.3 s, so token 10 is due at 0.8 s and the last at 2.25 s; at 1.7 s it can still make it
+    assert deadlines.slack(r, 1.0, per_token=True) == pytest.approx(-0.2)
+    assert deadlines.last_slack(r, 1.7, 0.01, per_token=True) == pytest.approx(2.25 - 1.7 - 0.3)
+    assert not deadlines.lost(r, 1.7, 0.01, per_token=True)
     assert not policy.loads.load("a", 1.0).lost
     lost = policy.loads.load("a", 1.7)
     assert lost.lost and not lost.aged and priority(lost, 0.05) == math.inf

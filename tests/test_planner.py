@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,7 @@ def test_the_spec_follows_the_flags():
     # Aegaeon's Q_max = 4 s for a 14 GB swap at 16 GB/s, scaled to this mix's mean swap at 16 GB/s
     assert spec.scheduler.quota_max_s == pytest.approx(4.0 * (mean_weight / 16e9) / (14 / 16), abs=1e-3)
     assert spec.placement.quota_max_s == spec.scheduler.quota_max_s   # packing prices the same rule
+    # the simulated policies plan by the deadlines the plan scores (scheduler/deadlines.py)
+    assert spec.fleet("token", 2).scheduler.slo_measure == "per_token"   # strict, the default
+    assert replace(spec, metric="cumulative").fleet("token", 2).scheduler.slo_measure == "per_token"
+    assert replace(spec, metric="goodput").fleet("token", 2).scheduler.slo_measure == "mean_tpot"

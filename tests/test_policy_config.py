@@ -50,10 +50,12 @@ def test_scheduler_config_set_in_app_args_reaches_the_engines_policy():
     from deploy.serve_app.app_args import parse_app_args
 
     args = parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "policy": "token",
-                           "scheduler": {"quota_max_s": 2.5, "quota_switch_factor": None}})
+                           "scheduler": {"quota_max_s": 2.5, "quota_switch_factor": None,
+                                         "slo_measure": "per_token"}})
     # what a DeviceWorker receives: the EngineConfig the args build, its SchedulerConfig inside
     engine = Engine(dataclasses.replace(args.engine_config(), **SMALL))
-    assert engine.policy.config == SchedulerConfig(quota_max_s=2.5, quota_switch_factor=None)
+    assert engine.policy.config == SchedulerConfig(quota_max_s=2.5, quota_switch_factor=None,
+                                                   slo_measure="per_token")
     # what is not set keeps SchedulerConfig's one default
     plain = Engine(dataclasses.replace(parse_app_args({"models": {"a": "zoo:llama-tiny-a"}}).engine_config(), **SMALL))
     assert plain.policy.config == SchedulerConfig()
@@ -66,6 +68,8 @@ def test_bad_scheduler_args_name_the_field():
         parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "scheduler": {"quota_max_s": 0}})
     with pytest.raises(ValueError, match="scheduler.quota_max"):
         parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "scheduler": {"quota_max": 1.0}})
+    with pytest.raises(ValueError, match="scheduler.slo_measure"):
+        parse_app_args({"models": {"a": "zoo:llama-tiny-a"}, "scheduler": {"slo_measure": "p99"}})
 
 
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config_gpu.yaml"])

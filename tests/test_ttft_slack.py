@@ -116,3 +116,34 @@ def test_the_ablation_switches_at_once():
     for _ in range(3):
         engine.step()
     assert any(out.model == "b" for out in engine.trace)
+
+
+def _first_token_of_b(measure):
+    """b arrives (TTFT 1 s) while a's long stream decodes: when its first token comes."""
+    policy, engine = _a_decoding(SchedulerConfig(slo_measure=measure))
+    arrival = engine.now
+    b = _req("b0", "b", arrival, max_tokens=5, tbt=0.1, ttft=1.0)
+    policy.add_request(b)
+    while b.first_token_time is None:
+        engine.step()
+    return b.first_token_time - arrival
+
+
+def test_under_per_token_deadlines_a_first_token_leaves_half_its_ttft_to_its_stream():
+    """Mean TPOT (the default): b's switch waits until its TTFT deadline nears, since a late
+    first token costs its stream nothing later. Per-token deadlines: a first token on its
+    deadline would leave the stream no slack, so it is planned by half the budget."""
+    waited = _first_token_of_b("mean_tpot")
+    assert 0.5 < waited <= 1.0
+    assert _first_token_of_b("per_token") <= 0.5 + 1e-9
+    with pytest.raises(ValueError):
+        SchedulerConfig(slo_measure="p99")
+
+
+def test_admission_keeps_alpha_headroom_only_where_streams_bank_no_reserve():
+    """Overload control admits a new batch while the next round's alpha <= admission_alpha:
+    headroom under mean TPOT, none under per-token deadlines (the TTFT reserve is the headroom);
+    an explicit admit_alpha wins."""
+    assert SchedulerConfig().admission_alpha == 0.9
+    assert SchedulerConfig(slo_measure="per_token").admission_alpha == 1.0
+    assert SchedulerConfig(slo_measure="per_token", admit_alpha=0.8).admission_alpha == 0.8

@@ -66,7 +66,9 @@ class PlanSpec:
         placement = self.placement
         if policy == "dedicated":   # one model per device, no prefill/decode split
             placement = replace(placement, max_models_per_worker=1, split_load=math.inf, merge_load=1e300)
-        return FleetConfig(num_workers, self.layout, policy, self.slo, self.scheduler, placement,
+        # the policies plan by the deadlines the plan scores: strict and cumulative are per token
+        scheduler = replace(self.scheduler, slo_measure="mean_tpot" if self.metric == "goodput" else "per_token")
+        return FleetConfig(num_workers, self.layout, policy, self.slo, scheduler, placement,
                            self.routing, self.replan_interval_s)
 
 

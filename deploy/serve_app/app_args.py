@@ -65,6 +65,10 @@ class SchedulerArgs(BaseModel):
                                                                       "cost (null: Q_max only)")
     chunked_prefill: bool | None = Field(None, description="split a prompt whose prefill exceeds a round's "
                                          "prefill budget while streams decode")
+    slo_measure: Literal["mean_tpot", "per_token"] | None = Field(
+        None, description="what the SLO promises of a stream's tokens after its first: mean_tpot (goodput, "
+        "the default) or per_token (every token k by arrival + TTFT + k x TBT, Aegaeon's); the token-level "
+        "policy plans by it")
     smooth_streams: bool | None = Field(None, description="with every model resident and room to spare, run "
                                         "turns in slices round-robin and spread prefill between them: smoother "
                                         "streams, at the price of TTFT and throughput")
