@@ -2,8 +2,10 @@
 order, with what quotas, and when a switch to a model with no decode batch is due.
 
 A round: the decode batches that have work, each given its time quota by the quota rule
-(scheduler/quota.py), the batch that ran longest ago first (round-robin while every batch
-is served; a batch that just had its prefill or its turn waits for the others). Under
+(scheduler/quota.py): first the batches started (prefilled) since the last round, in the
+order they started, then the batch whose decode turn was longest ago (round-robin while every
+batch is served; a batch that just had its turn waits for the others, and one that just had
+its first token does not: its next is due a TBT later). Under
 overload control (scheduler/overload.py) a round whose alpha exceeds 1 serves the largest
 set of batches that fits, least slack first, and holds the rest; waiting groups of models
 not decoding compete for it too, and those it takes are `reserved` (prefilled first, their
@@ -46,7 +48,9 @@ class RoundPlanner:
         # what the latest plan weighed: the batches (decoding and waiting) and the slack guard
         self.candidates: tuple[BatchLoad, ...] = ()
         self.guard_s = 0.0
-        self._served: dict[str, int] = {}  # model -> number of the latest output that ran it
+        # model -> (0 while its batch has had no decode turn since it started, 1 after; the number
+        # of the output that started it or of its latest decode turn): the round order's key
+        self._served: dict[str, tuple[int, int]] = {}
         self._num_outputs = 0
         self._due: tuple[float, bool] | None = None  # (now, a switch is due then): switch_due's cache
 
@@ -85,14 +89,20 @@ class RoundPlanner:
         model = next(iter(self._reserved))
         return model, self._reserved.pop(model)
 
-    def ran(self, model: str) -> None:
-        """An output of `model` was scheduled (the round order puts it after the others)."""
+    def ran(self, model: str, prefill: bool = False, starts: bool = False) -> None:
+        """An output of `model` was scheduled: a decode turn puts its batch after the others in
+        the round order, and a prefill that `starts` its batch (the model had none) puts it
+        first, after the batches started before it. A prefill that joins a batch moves nothing."""
         self._num_outputs += 1
-        self._served[model] = self._num_outputs
+        if not prefill:
+            self._served[model] = (1, self._num_outputs)
+        elif starts:
+            self._served[model] = (0, self._num_outputs)
 
     def plan(self, now: float) -> RoundPlan | None:
-        """Start a new round: choose its batches (all of them unless overloaded), order them by
-        when each last ran (longest ago first) and give each its quota. None: nothing decodes."""
+        """Start a new round: choose its batches (all of them unless overloaded), order them
+        (batches just started, then by their latest decode turn, longest ago first) and give
+        each its quota. None: nothing decodes."""
         p, loads_of = self.policy, self.loads
         names = list(p.models)
         models = [m for m in names if loads_of.decoding(m)]
@@ -126,9 +136,10 @@ class RoundPlanner:
         served = [m for m in models if m in plan.models]
         if self._reserved and served:   # quotas of the batches decoding now; reserved ones start next round
             plan = plan_round([b for b in loads if b.model in served], rule)
-        # the batch that ran longest ago goes first: round-robin while every batch is served, and
-        # a batch that just had its prefill (its first token) or its turn waits for the others
-        self._order = deque(sorted(served, key=lambda m: self._served.get(m, 0)))
+        # a batch just started goes first, then the one whose decode turn was longest ago:
+        # round-robin while every batch is served; a batch that just had its turn waits for the
+        # others, and one that just had its first token (prefill) does not wait a whole round
+        self._order = deque(sorted(served, key=self._turn_key))
         self._quotas = dict(zip(plan.models, plan.quota.quotas_s))
         self.decode_s = plan.decode_s
         self._due = None
@@ -139,12 +150,16 @@ class RoundPlanner:
 
     def next_batch_after(self, current: str) -> str | None:
         """The decoding batch expected to run after `current`'s turn: the next of this round,
-        else the one the next round starts with (the one that ran longest ago)."""
+        else the one the next round starts with (`_turn_key`)."""
         for model in self._order:
             if model != current and self.loads.decoding(model):
                 return model
         others = [m for m in self.policy.models if m != current and self.loads.decoding(m)]
-        return min(others, key=lambda m: self._served.get(m, 0)) if others else None
+        return min(others, key=self._turn_key) if others else None
+
+    def _turn_key(self, model: str) -> tuple[int, int]:
+        """A batch's place in the round order, smallest first (see `ran`)."""
+        return self._served.get(model, (0, 0))
 
     # -- TTFT slack (scheduler/ttft_slack.py) ---------------------------------------------
 

@@ -94,7 +94,10 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._chunked = output is not None and bool(output.partial)
         if output is not None:
             self.turns.after(output, now, self._new_round)
-            self.planner.ran(output.model)
+            # a prefill starts a batch when every running request of its model is in it
+            starts = output.is_prefill and {r.request_id for r in self.running[output.model]} <= {
+                r.request_id for r in output.requests}
+            self.planner.ran(output.model, output.is_prefill, starts)
             output.prefetch_model = self._expected_next(output.model, now)
             self.overhead.scheduled(now, not output.is_prefill, output.num_steps)
         return output

@@ -305,13 +305,15 @@ def test_smooth_streams_run_turns_in_slices_and_spread_prefill(smooth):
 
 
 def test_the_model_announced_for_prefetch_is_the_one_that_runs_next():
-    """Rounds run the batch that ran longest ago first; the model announced at a round's last
-    turn must be the next round's first (its weights copied meanwhile), not the next by name.
-    Four streams start in the order d, b, c, a, so their rounds run in that order."""
+    """Rounds run the batches just started first, then the one whose turn was longest ago; the
+    model announced at a round's last turn must be the next round's first (its weights copied
+    meanwhile), not the next by name. Four streams arrive in the order d, b, c, a: d starts and
+    takes a turn alone, then b, c and a start, so the rounds run b, c, a, d."""
     arrivals = [(0.001 * i, _req(f"{m}0", m, 0.001 * i, max_tokens=40, tbt=0.5)) for i, m in enumerate("dbca")]
     engine, _ = _drive(_policy(models="abcd"), arrivals)
-    decode = [out for out in engine.trace if not out.is_prefill]
-    pairs = [(a, b) for a, b in zip(decode, decode[1:]) if a.model != b.model]
+    trace = engine.trace
+    pairs = [(a, b) for a, b in zip(trace, trace[1:]) if not a.is_prefill and not b.is_prefill and a.model != b.model]
+    assert [out.model for out in trace if not out.is_prefill][1:5] == list("bcad")
     assert len(pairs) > 20
     assert all(a.prefetch_model == b.model for a, b in pairs), \
         [(a.model, a.prefetch_model, b.model) for a, b in pairs if a.prefetch_model != b.model][:5]

@@ -19,11 +19,16 @@ def _streaming(policy, model, rid=None, tbt=0.05, now=0.0):
     return r
 
 
-def test_a_round_runs_the_batch_that_ran_longest_ago_first():
+def _three_streams():
+    """The round planner of a policy whose models a, b and c each stream (TBT 0.5 s)."""
     policy = _policy(models="abc")
     for m in "abc":
         _streaming(policy, m, tbt=0.5)
-    planner = policy.planner
+    return policy.planner
+
+
+def test_a_round_runs_the_batch_that_ran_longest_ago_first():
+    planner = _three_streams()
     planner.ran("a")
     planner.ran("c")
     plan = planner.plan(0.0)
@@ -31,6 +36,19 @@ def test_a_round_runs_the_batch_that_ran_longest_ago_first():
     assert planner.alpha == plan.alpha <= 1
     assert [planner.next_turn() for _ in range(4)] == ["b", "a", "c", None]
     assert planner.next_batch_after("c") == "b"   # the next round's first: b ran longest ago
+
+
+def test_a_batch_just_started_takes_the_first_turn_of_the_next_round():
+    """Its stream's first token is out and its next is due a TBT later: it does not wait a
+    round behind batches that had their turns. A prefill that joins a batch moves nothing."""
+    planner = _three_streams()
+    planner.ran("a")
+    planner.ran("b")
+    planner.ran("c", prefill=True, starts=True)
+    planner.ran("a", prefill=True, starts=False)   # a request joins a's batch
+    planner.plan(0.0)
+    assert planner.order == ("c", "a", "b")
+    assert planner.next_batch_after("b") == "c"
 
 
 def test_an_overloaded_round_holds_the_batches_that_do_not_fit():
