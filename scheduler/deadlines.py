@@ -8,9 +8,9 @@ due by one of two measures (`SchedulerConfig.slo_measure`):
 - "per_token" (Aegaeon's per-token deadlines, the planner's strict and cumulative measures): by
   arrival + TTFT + k x TBT, so a first token that came early banks its lead for the stream.
 
-Time a stream has banked by running ahead of that is its slack. Overload control (scheduler/overload.py)
-orders batches by it; a request already late goes last, until it is `aged` (late by LATE_AGE x
-its TTFT SLO), when its deadline, the earliest, puts it first again.
+Time a stream has banked by running ahead of that is its slack. Overload control
+(scheduler/overload.py) orders batches by it; a request already late goes last, until it is
+`aged` (late by LATE_AGE x its TTFT SLO), when its deadline, the earliest, puts it first again.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A round of alpha < 1 leaves its decoding streams a prefill budget T0 x (1 / alph
 (scheduler/overload.py). The policy keeps it as a token bucket, `credit_s`: each decode step
 adds its share (1 / alpha - 1) x its time, up to one round's budget; each prefill spends its
 time. Under overload control a waiting request is admitted (prefilled) only while its model's
-batch still fits the next round with `SchedulerConfig.admission_alpha` to spare and its prefill fits the credit
-(one request of a full bucket may exceed it, never a group).
+batch still fits the next round with `SchedulerConfig.admission_alpha` to spare and its
+prefill fits the credit (one request of a full bucket may exceed it, never a group).
 
 Chunked prefill (`SchedulerConfig.chunked_prefill`). While streams decode, a prefill step
 whose predicted time exceeds both a round's budget and one TBT SLO of theirs is cut to the

@@ -5,11 +5,12 @@ A round: the decode batches that have work, each given its time quota by the quo
 (scheduler/quota.py): first the batches started (prefilled) since the last round, in the
 order they started, then the batch whose decode turn was longest ago (round-robin while every
 batch is served; a batch that just had its turn waits for the others, and one that just had
-its first token does not: its next is due a TBT later). Under
-overload control (scheduler/overload.py) a round whose alpha exceeds 1 serves the largest
-set of batches that fits, least slack first, and holds the rest; waiting groups of models
-not decoding compete for it too, and those it takes are `reserved` (prefilled first, their
-batches decoding from the next round).
+its first token does not: its next is due a TBT later).
+
+Under overload control (scheduler/overload.py) a round whose alpha exceeds 1 serves the
+largest set of batches that fits, least slack first, and holds the rest; waiting groups of
+models not decoding compete for it too, and those it takes are `reserved` (prefilled first,
+their batches decoding from the next round).
 
 TTFT slack (scheduler/ttft_slack.py): a switch away from the running batches is due once a
 waiting group would otherwise miss its TTFT, given what the device runs before the policy
