@@ -40,7 +40,7 @@ class BatchLoads:
         batch = p.running[model][: p.config.max_batch_size] + list(extra)
         step = p.estimator.predict_decode(model, len(batch), sum(r.num_tokens for r in batch))
         step += self.overhead.step_s
-        per_token = p.config.slo_measure == "per_token"
+        per_token = p.config.per_token
         lost = not extra and all(deadlines.lost(r, now, step, per_token) for r in batch)
         aged = lost and any(deadlines.stalled(r, now) for r in batch)
         return BatchLoad(model, min(r.slo.tbt_s for r in batch), step, p.estimator.predict_switch(model),

@@ -103,11 +103,16 @@ class SchedulerConfig:
                              f"got {self.quota_switch_factor!r}")
 
     @property
+    def per_token(self) -> bool:
+        """Does the SLO promise per-token deadlines (arrival + TTFT + k x TBT), not mean TPOT?"""
+        return self.slo_measure == "per_token"
+
+    @property
     def admission_alpha(self) -> float:
         """The alpha a round may reach with a new batch admitted (admit_alpha, or by the measure)."""
         if self.admit_alpha is not None:
             return self.admit_alpha
-        return 1.0 if self.slo_measure == "per_token" else 0.9
+        return 1.0 if self.per_token else 0.9
 
 
 @dataclass(slots=True)

@@ -189,7 +189,7 @@ class RoundPlanner:
         """The waiting requests of models not decoding, in the groups they would be prefilled in."""
         p = self.policy
         size = p.config.max_prefill_group
-        per_token = p.config.slo_measure == "per_token"
+        per_token = p.config.per_token
         groups = []
         for model, queue in p.waiting.items():
             if not queue or model in decoding:

@@ -105,8 +105,8 @@ class SmoothStreams(WholeTurns):
         if not self._spread:
             return
         if output.model not in self.planner.quotas and len(output.partial) < len(output.requests):
-            # a batch starts decoding: a new round takes it in at once (LRU order puts it last),
-            # rather than after every slice of this one
+            # a batch starts decoding: a new round takes it in at once, rather than after every
+            # slice of this one
             new_round(now)
         self._owed = {m for m in self.planner.quotas if self.loads.decoding(m)}
 
