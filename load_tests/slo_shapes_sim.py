@@ -32,7 +32,7 @@ def _spec(args, arrival: str, seed: int):
         "--models", str(args.models), "--popularity", "zipf", "--arrival", arrival, "--cv", "4",
         "--rate", "1", "--duration", "10", "--seed", str(seed), "--gpu", args.gpu,
         "--model-mix", f"{args.model_type}:1.0", "--slots", "2", "--h2d-gbps", str(args.h2d_gbps),
-        "--replan-interval", "0"])
+        "--replan-interval", "0", "--metric", "goodput"])   # scored by goodput: plan by mean TPOT too
     spec, _ = build_spec(plan_args)
     # the load test's lengths: Azure conversations x 0.125 (input) and x 0.25 (output), clipped at 256
     from dataclasses import replace

@@ -11,10 +11,17 @@ due by one of two measures (`SchedulerConfig.slo_measure`):
 Time a stream has banked by running ahead of that is its slack. Overload control
 (scheduler/overload.py) orders batches by it; a request already late goes last, until it is
 `aged` (late by LATE_AGE x its TTFT SLO), when its deadline, the earliest, puts it first again.
+
+A turn's end leaves a stream waiting for a gap (the rest of the round) before its next token.
+Two helpers size a turn so that gap does not cost a stream its SLO (docs/design.md, "Turns
+that keep each stream's pace"): `finishing_steps` (a stream a few tokens from its end finishes
+now rather than after the gap) and `catch_up_steps` (a stream behind its pace gets the steps
+that put it back ahead of the gap).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from scheduler.request import Request
 
@@ -71,3 +78,42 @@ def stalled(request: Request, now: float) -> bool:
 def goes_last(request: Request, now: float) -> bool:
     """A waiting request already late, not yet aged: it yields to those still on time."""
     return slack(request, now) < 0 and not aged(request, now)
+
+
+def tokens_left(request: Request) -> int:
+    """Tokens the request may still emit (max_tokens less those it has)."""
+    return request.sampling_params.max_tokens - request.num_output_tokens
+
+
+def finishing_steps(streams: Iterable[Request], now: float, step_s: float, gap_s: float, most: int,
+                    per_token: bool = False) -> int:
+    """The fewest steps (at most `most`) that end a stream on time which would miss its SLO
+    were it to wait `gap_s` first, or 0: its last token at full speed from now is on time
+    (`last_slack` >= 0), but not after the gap."""
+    best = 0
+    for r in streams:
+        left = tokens_left(r)
+        if r.first_token_time is None or not 0 < left <= most:
+            continue
+        laxity = last_slack(r, now, step_s, per_token)
+        if laxity >= 0 > laxity - gap_s and (not best or left < best):
+            best = left
+    return best
+
+
+def catch_up_steps(streams: Iterable[Request], now: float, step_s: float, gap_s: float, turn_steps: float,
+                   per_token: bool = False) -> float:
+    """Steps beyond `turn_steps` a batch needs for each of its streams that goes on past the
+    turn to have its next token on time after `gap_s` (0: none). A step gains a stream its
+    TBT SLO less the step (its next token is due a TBT later), so a stream short of
+    gap + step of slack needs (gap + step - slack) / (TBT - step) steps; a lost stream
+    (`lost`) needs none, and none needs more than its tokens left."""
+    need = 0.0
+    for r in streams:
+        left = tokens_left(r)
+        gain = r.slo.tbt_s - step_s
+        if r.first_token_time is None or left <= turn_steps or gain <= 0 or lost(r, now, step_s, per_token):
+            continue
+        steps = (gap_s + step_s - slack(r, now, per_token)) / gain
+        need = max(need, min(steps, left) - turn_steps)
+    return need

@@ -15,7 +15,8 @@ their batches decoding from the next round).
 TTFT slack (scheduler/ttft_slack.py): a switch away from the running batches is due once a
 waiting group would otherwise miss its TTFT, given what the device runs before the policy
 can act again (this round T0, a multi-step run) and a round with the group's batch in it
-(T1). Always when nothing decodes.
+(T1), and then only for the groups that must start now (`due_models`). Always when nothing
+decodes.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, plan_round, select_round
-from scheduler.ttft_slack import PendingGroup, planned_deadline, switch_due
+from scheduler.ttft_slack import PendingGroup, due_groups, planned_deadline
 
 if TYPE_CHECKING:
     from scheduler.policy import SchedulingPolicy
@@ -53,7 +54,7 @@ class RoundPlanner:
         # of the output that started it or of its latest decode turn): the round order's key
         self._served: dict[str, tuple[int, int]] = {}
         self._num_outputs = 0
-        self._due: tuple[float, bool] | None = None  # (now, a switch is due then): switch_due's cache
+        self._due: tuple[float, frozenset[str]] | None = None  # (now, the due models then): due_models' cache
 
     # -- the round -----------------------------------------------------------------------
 
@@ -119,9 +120,9 @@ class RoundPlanner:
             # waiting requests of models not decoding compete for the round too: a batch that
             # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
             # token is due
-            due = self.switch_due(now)
+            due = self.due_models(now)
             groups = {m: list(p.waiting[m])[: p.config.max_prefill_group]
-                      for m in names if p.waiting[m] and m not in models and due}
+                      for m in names if p.waiting[m] and m not in models and m in due}
             prospective = [loads_of.waiting_load(m, now, g) for m, g in groups.items()]
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
             guard = 2 * everyone.decode_s
@@ -172,16 +173,23 @@ class RoundPlanner:
         """May a model with no decode batch start one now (a switch away from the running
         batches)? Always when nothing decodes; else once a waiting group would otherwise miss
         its TTFT (scheduler/ttft_slack.py)."""
+        return bool(self.due_models(now))
+
+    def due_models(self, now: float) -> frozenset[str]:
+        """The models with no decode batch whose waiting groups may start now: every waiting
+        one when nothing decodes (or without TTFT slack), else those of the groups that must
+        start now for every group to meet its TTFT (ttft_slack.due_groups); the rest wait."""
         if self._due is not None and self._due[0] == now:
             return self._due[1]
-        config = self.policy.config
+        p, config = self.policy, self.policy.config
         decoding = self.loads.decoding_models()
-        due = True
-        if decoding and config.ttft_slack:
+        waiting = frozenset(m for m, q in p.waiting.items() if q and m not in decoding)
+        due = waiting
+        if decoding and config.ttft_slack and waiting:
             groups = self.pending_groups(set(decoding))
-            if groups:
-                run_s = config.max_decode_steps * max(self.loads.predict_decode(m) for m in decoding)
-                due = switch_due(groups, now, self.decode_s + run_s + self._joined_round_s(groups, now))
+            run_s = config.max_decode_steps * max(self.loads.predict_decode(m) for m in decoding)
+            margin = self.decode_s + run_s + self._joined_round_s(groups, now)
+            due = frozenset(g.model for g in due_groups(groups, now, margin))
         self._due = (now, due)
         return due
 

@@ -142,7 +142,7 @@ class TokenLevelPolicy(SchedulingPolicy):
         """The groups to prefill next, the first choice first: (model, request ids)."""
         if not self.planner.reserved and not any(self.waiting.values()):   # most calls: nothing waits
             return
-        due = self.planner.switch_due(now)
+        due = self.planner.due_models(now)
         if not self.config.overload_control:
             first = self._oldest_waiting_model() if due else self._oldest_joining_model()
             if first is None:
@@ -158,7 +158,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             if ids:
                 yield model, self.prefill.within_credit(model, ids)
         # by TTFT deadline, those already late last until they are aged (see overload.priority)
-        heads = sorted((q[0] for m, q in self.waiting.items() if q and (due or self._has_decode_work(m))),
+        heads = sorted((q[0] for m, q in self.waiting.items() if q and (m in due or self._has_decode_work(m))),
                        key=lambda r: (deadlines.goes_last(r, now), self._ttft_key(r)))
         for head in heads:
             members = self.prefill.admissible(head.model, now)
@@ -201,6 +201,12 @@ class TokenLevelPolicy(SchedulingPolicy):
         else:
             step = self.loads.predict_decode(model)
             over = now + step > turn.deadline + _EPS
+        if over and math.isfinite(turn.deadline) and model in self.models and self._has_decode_work(model):
+            # its quota is spent: one more run if that ends a stream on time
+            step = self.loads.predict_decode(model) if step is None else step
+            extra = self._finishing_steps(model, now, step)
+            if extra:
+                turn.deadline, turn.last_run, over = now + extra * step, False, False
         if over:
             self._turn = None
             return None
@@ -234,6 +240,35 @@ class TokenLevelPolicy(SchedulingPolicy):
         turn.last_run = output is not None and output.num_steps == steps
         return output
 
+    def _finishing_steps(self, model: str, now: float, step: float) -> int:
+        """Steps of one more run of `model`'s batch, at the end of its turn, that end a stream
+        on time which would miss its SLO after waiting the rest of the round (0: none, or
+        another batch of the round has not the slack to wait that long). A round's gap costs
+        a short stream most of its budget (load test, TTFT:TPOT = 100: a stream of 16 tokens
+        waited 96 ms for its last 2, and missed its mean TPOT)."""
+        if not self.config.overload_control:
+            return 0
+        gap = max(0.0, self.planner.decode_s - self.planner.quota(model))
+        streams = self.running[model][: self.config.max_batch_size]
+        steps = deadlines.finishing_steps(streams, now, step, gap, self.config.max_decode_steps,
+                                          self.config.per_token)
+        if steps and any(self.loads.load(m, now).slack_s < steps * step
+                         for m in self.planner.order if m != model and self.loads.decoding(m)):
+            return 0
+        return steps
+
+    def _catch_up_s(self, model: str, now: float, quota: float) -> float:
+        """Time a turn of `model` takes beyond its quota so that its streams behind their pace
+        (a late first decode turn, a held round) are ahead of the gap to its next turn again:
+        at most one more quota (deadlines.catch_up_steps)."""
+        if not self.config.overload_control or not math.isfinite(quota):
+            return 0.0
+        step = self.loads.predict_decode(model)
+        gap = max(0.0, self.planner.decode_s - quota)
+        streams = self.running[model][: self.config.max_batch_size]
+        steps = deadlines.catch_up_steps(streams, now, step, gap, quota / step, self.config.per_token)
+        return min(quota, steps * step)
+
     def _joining(self, model: str, now: float) -> list[str]:
         """Waiting requests of the running model that join its turn without a switch: FCFS
         across models without overload control; with it, those the next round can take (a
@@ -259,7 +294,8 @@ class TokenLevelPolicy(SchedulingPolicy):
                     continue
                 # the quota counts decode time only: a switch paid first extends the turn
                 switch = 0.0 if model in self.resident else self.estimator.predict_switch(model)
-                turn = _Turn(model, now + switch + self.turns.turn_s(model, self.planner.quota(model)))
+                quota = self.turns.turn_s(model, self.planner.quota(model))
+                turn = _Turn(model, now + switch + quota + self._catch_up_s(model, now, quota))
                 output = self._turn_run(turn, now + switch)
                 if output is not None:
                     self._turn = turn

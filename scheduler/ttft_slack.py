@@ -30,11 +30,15 @@ it) may pass before each of its turns, so it must start a round early. The switc
 
 Predicted costs are doubled (`SAFETY`): an estimate that misses by 2x costs one request its
 TTFT, while waiting a little less costs the running batches only a slightly earlier switch.
-While not due, the running batches keep decoding (fewer batches in a round: longer turns,
-fewer switches, as request-level); requests of models that already decode still join their
-batch (no switch). When the TTFT SLO is tight, S - margin is already past at arrival and
-every switch is due at once: the rule above, unchanged, is the tight end of this one. When
-nothing decodes the switch is always due (the device would idle).
+Once due, only the groups that must start now may: the shortest prefix of the deadline order
+that holds every group k with now + margin >= D_k - sum_{j<=k} c_j (`due_groups`). The groups
+after it still meet their deadlines served after it, so they wait; before, one due group let
+every waiting group into the round, and a backlog that had waited out its slack started all at
+once, stretching every stream's gaps. While not due, the running batches keep decoding (fewer
+batches in a round: longer turns, fewer switches, as request-level); requests of models that
+already decode still join their batch (no switch). When the TTFT SLO is tight, S - margin is
+already past at arrival and every switch is due at once: the rule above, unchanged, is the
+tight end of this one. When nothing decodes the switch is always due (the device would idle).
 
 Per-token deadlines (`slo_measure="per_token"`, Aegaeon's measure and the planner's strict one).
 There token k is due by arrival + TTFT + k x TBT, so what a stream's later tokens can absorb
@@ -88,6 +92,20 @@ def latest_start(groups: Iterable[PendingGroup], safety: float = SAFETY) -> floa
 
 def switch_due(groups: Iterable[PendingGroup], now: float, margin_s: float, safety: float = SAFETY) -> bool:
     """Must a switch to a waiting group be made now, for every group to meet its TTFT?"""
+    return bool(due_groups(groups, now, margin_s, safety))
+
+
+def due_groups(groups: Iterable[PendingGroup], now: float, margin_s: float,
+               safety: float = SAFETY) -> list[PendingGroup]:
+    """The groups that must start now, in deadline order: the shortest EDF prefix that holds
+    every group whose latest start (D_k - safety x sum_{j<=k} c_j) is now + margin or
+    earlier (empty: no switch is due). The groups after it can still wait."""
     if not margin_s >= 0:
         raise ValueError(f"margin_s must be >= 0, got {margin_s!r}")
-    return now + margin_s >= latest_start(groups, safety)
+    order = sorted(groups, key=lambda g: (g.deadline_s, g.model))
+    spent, end = 0.0, 0
+    for k, group in enumerate(order):
+        spent += safety * group.cost_s
+        if now + margin_s >= group.deadline_s - spent:
+            end = k + 1
+    return order[:end]

@@ -359,6 +359,39 @@ def test_a_stream_is_lost_when_even_full_speed_to_max_tokens_ends_late():
     assert aged.lost and aged.aged and priority(aged, 0.05) == -math.inf
 
 
+def _stream(done, max_tokens, first=0.0, tbt=0.05):
+    r = _req("s", "a", 0.0, max_tokens=max_tokens, tbt=tbt)
+    r.first_token_time, r.output_token_ids, r.status = first, [7] * done, RequestStatus.RUNNING
+    return r
+
+
+def test_a_stream_near_its_end_finishes_before_the_gap_that_would_make_it_miss():
+    """TBT 50 ms, first token at 0, 10 ms steps: a stream of 8 tokens with 6 out has its last
+    due at 0.35 s. At 0.28 s two steps end it on time (0.30 s), but not after a 60 ms gap
+    (0.36 s): it finishes now. With a 10 ms gap it can wait; with 20 tokens left it is no
+    stream a run can end (at most 8 steps); a stream already past saving is left alone."""
+    near = _stream(6, 8)
+    assert deadlines.finishing_steps([near], 0.28, 0.01, 0.06, most=8) == 2
+    assert deadlines.finishing_steps([near], 0.28, 0.01, 0.01, most=8) == 0
+    assert deadlines.finishing_steps([_stream(6, 26)], 0.28, 0.01, 0.06, most=8) == 0
+    assert deadlines.finishing_steps([near], 0.34, 0.01, 0.06, most=8) == 0   # late even now
+    # of two that need it, the one ending soonest decides (the other may still be on time later)
+    assert deadlines.finishing_steps([near, _stream(5, 8)], 0.28, 0.01, 0.06, most=8) == 2
+
+
+def test_a_stream_behind_its_pace_gets_the_steps_that_cover_the_next_gap():
+    """TBT 50 ms, 10 ms steps: a stream 10 tokens out at 0.55 s is 50 ms late (token 10 was
+    due at 0.5 s). Before a gap of 100 ms its next token must have 110 ms of slack: each step
+    gains 40 ms, so (0.11 + 0.05) / 0.04 = 4 steps, less the turn's own. A stream with slack
+    to spare, one that ends within the turn, and one past saving need none."""
+    late = _stream(10, 60)
+    assert deadlines.catch_up_steps([late], 0.55, 0.01, 0.1, turn_steps=0) == pytest.approx(4.0)
+    assert deadlines.catch_up_steps([late], 0.55, 0.01, 0.1, turn_steps=3) == pytest.approx(1.0)
+    assert deadlines.catch_up_steps([_stream(10, 60)], 0.2, 0.01, 0.1, turn_steps=0) == 0.0
+    assert deadlines.catch_up_steps([_stream(10, 12)], 0.55, 0.01, 0.1, turn_steps=3) == 0.0
+    assert deadlines.catch_up_steps([_stream(10, 12)], 2.0, 0.01, 0.1, turn_steps=0) == 0.0   # lost
+
+
 def test_a_prefill_shorter_than_one_tbt_is_not_split_near_capacity():
     """Near capacity a round's prefill budget is a sliver (here 1 ms); a prompt whose prefill
     fits one TBT SLO of the decoding streams (50 ms) goes in whole, and a longer one is cut

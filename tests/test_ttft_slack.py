@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
-from scheduler.ttft_slack import SAFETY, PendingGroup, latest_start, switch_due
+from scheduler.ttft_slack import SAFETY, PendingGroup, due_groups, latest_start, switch_due
 from test_overload import STEP, _policy, _req
 from test_scheduler import FakeEngine
 
@@ -31,6 +31,25 @@ def test_a_switch_waits_only_while_edf_from_after_the_margin_meets_every_deadlin
     elif groups:
         assert not met or math.isclose(now + margin, latest_start(groups), abs_tol=1e-9)
     assert switch_due(groups, now + 1.0, margin) or not due   # once due, due later too
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_group, max_size=8), st.floats(0.0, 20.0), st.floats(0.0, 3.0))
+def test_only_the_groups_that_must_start_now_are_due(groups, now, margin):
+    """The due groups are a prefix of the deadline order: the shortest one that holds every
+    group whose latest start (its deadline less SAFETY x the costs up to it) has come. The
+    groups after it can still wait: served after the prefix, starting once the device is
+    free, each meets its deadline."""
+    order = sorted(groups, key=lambda g: (g.deadline_s, g.model))
+    due = due_groups(groups, now, margin)
+    assert due == order[: len(due)] and bool(due) == switch_due(groups, now, margin)
+    spent = 0.0
+    for k, g in enumerate(order):
+        spent += SAFETY * g.cost_s
+        if k >= len(due):
+            assert now + margin < g.deadline_s - spent
+    if due:   # its last group is one whose latest start has come
+        assert now + margin >= due[-1].deadline_s - SAFETY * sum(g.cost_s for g in due)
 
 
 def test_no_waiting_group_never_forces_a_switch():
