@@ -7,42 +7,33 @@
                or AMX: oneDNN), on CUDA decode from CUDA graphs
 
 The CPU's features come from torch (`get_cpu_capability`: the vectorised kernels it
-dispatches to) and /proc/cpuinfo (AVX-512, AVX512-BF16, AMX), so a benchmark can say
-which path ran and why.
+dispatches to), oneDNN and /proc/cpuinfo (AVX-512, AVX512-BF16, AMX), so a benchmark can say
+which path ran and why; where torch or oneDNN are capped below AVX-512 (ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA) the AVX-512 features count as absent (actors/cpu_isa.py).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from actors import packed_linear, paged_attention_cpu
+from actors import cpu_isa, packed_linear, paged_attention_cpu
 from actors.layer_kernels import fast_plan
 from actors.model_spec import ModelSpec
 from actors.weight_layout import WeightLayout
 
 KERNELS = ("reference", "fast")
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_features() -> dict:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    first = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines[:64])}
-    flags = set(first.get("flags", "").split())
+    """cpu_isa.features() and which packed kernels this process can run."""
     onednn = packed_linear.available()
     return {
-        "model": first.get("model name", ""),
-        "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        **{flag: flag in flags for flag in _CPU_FLAGS},
+        **cpu_isa.features(),
         "onednn": onednn,
         "blocked_f32": packed_linear.blocked_available(),
-        "onednn_bf16": onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "onednn_bf16": onednn and not cpu_isa.avx512_hidden() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     }
 
 
@@ -63,20 +54,25 @@ class KernelPath:
         """Whether this path packs `dtype` linear weights (actors/packed_linear.py: oneDNN is
         the form every packed matrix can take, so packing needs it); ValueError where the
         fast path was asked for a dtype this CPU has no fast kernels for."""
+        refusal = self.refusal(dtype)
+        if refusal:
+            raise ValueError(refusal)
+        return self.kernels == "fast" and self.device == "cpu" and cpu_features()["onednn"]
+
+    def refusal(self, dtype: torch.dtype) -> str:
+        """Why this path cannot run `dtype` weights on this device ("" when it can)."""
         if self.kernels != "fast" or self.device != "cpu":
-            return False
+            return ""
         features = cpu_features()
-        if not features["onednn"]:
-            return False   # plain fused F.linear: still correct, just without the packed kernels
-        if dtype == torch.float32:
-            return True
-        if dtype == torch.bfloat16:
-            if not features["onednn_bf16"]:
-                raise ValueError("dtype bfloat16 with kernels 'fast' needs a CPU with AVX512-BF16 or AMX "
-                                 f"(this one: {features['torch_capability']}, no bf16 support in oneDNN); "
-                                 "use dtype float32")
-            return True
-        raise ValueError(f"kernels 'fast' on CPU runs float32 or bfloat16, not {dtype}")
+        if not features["onednn"] or dtype == torch.float32:
+            return ""   # without oneDNN: plain fused F.linear, still correct, just not packed
+        if dtype != torch.bfloat16:
+            return f"kernels 'fast' on CPU runs float32 or bfloat16, not {dtype}"
+        if features["onednn_bf16"]:
+            return ""
+        hidden = f", AVX-512 hidden: {features['avx512_hidden']}" if "avx512_hidden" in features else ""
+        return ("dtype bfloat16 with kernels 'fast' needs a CPU with AVX512-BF16 or AMX "
+                f"(this one: {features['torch_capability']}{hidden}, no bf16 support in oneDNN); use dtype float32")
 
     def weight_layout(self, path: str | Path, dtype: torch.dtype) -> WeightLayout:
         """The flat layout of the checkpoint at `path` that this path's runner reads."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from actors import paged_attention_cpu
+from actors import cpu_isa, paged_attention_cpu
 
 # The batch size oneDNN picks its blocked format for: decode batches are small; the
 # format stays valid (if not optimal) for any batch, prefill included.
@@ -64,8 +64,10 @@ def available() -> bool:
 
 
 def blocked_available() -> bool:
-    """The blocked float32 kernel (actors/blocked_linear_cpu.cpp) built here."""
-    return paged_attention_cpu.available() and hasattr(torch.ops.tokenmux, "blocked_linear")
+    """The blocked float32 kernel (actors/blocked_linear_cpu.cpp) built here: AVX-512 builds
+    only, so never where AVX-512 is hidden (actors/cpu_isa.py)."""
+    return (not cpu_isa.avx512_hidden() and paged_attention_cpu.available()
+            and hasattr(torch.ops.tokenmux, "blocked_linear"))
 
 
 @functools.lru_cache(maxsize=None)

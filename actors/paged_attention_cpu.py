@@ -10,8 +10,10 @@ rows where they lie in the pool instead (see its header). No library offers this
 the pinned torch on CPU (vLLM's and IPEX's CPU kernels come with their own torch
 builds), so it is ours: ~100 lines, built with torch's own extension builder
 (`torch.utils.cpp_extension.load`, cached under ~/.cache/torch_extensions, shared by
-every process of the node) on first use. Where it cannot be built (no compiler) the
-fast path logs once and runs the torch attention instead, which is just as exact.
+every process of the node) on first use; where AVX-512 is hidden (actors/cpu_isa.py) it
+is built without it, under another name, so the two builds never share a cache. Where it
+cannot be built (no compiler) the fast path logs once and runs the torch attention
+instead, which is just as exact.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import logging
 from pathlib import Path
 
 import torch
+
+from actors import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,16 @@ SOURCES = [Path(__file__).with_name(name) for name in
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-ffp-contract=fast", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# AVX-512 hidden: -march=native less AVX-512 (-mno-avx512f turns off every AVX-512 subset in
+# GCC and clang), as -march=native would build on an AVX2 CPU; blocked_linear is then not built.
+NO_AVX512_CFLAGS = ["-mno-avx512f"]
+
+
+def build_name_and_flags() -> tuple[str, list[str]]:
+    """The extension's name (its cache directory) and compiler flags on this CPU."""
+    if cpu_isa.avx512_hidden():
+        return "tokenmux_cpu_kernels_noavx512", CFLAGS + NO_AVX512_CFLAGS
+    return "tokenmux_cpu_kernels", CFLAGS
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,8 +55,9 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="tokenmux_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-             extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+        name, cflags = build_name_and_flags()
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags, extra_ldflags=LDFLAGS,
+             is_python_module=False, verbose=False)
         # blocked_linear is built only for AVX-512 (packed_linear.blocked_available)
         return hasattr(torch.ops.tokenmux, "paged_decode_attention") and hasattr(torch.ops.tokenmux, "add_rms_norm_")
     except Exception as exc:   # no compiler / ninja / headers: the torch path stays correct

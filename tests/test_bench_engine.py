@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from actors.kernel_path import KernelPath
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swap-repeats", "3",
@@ -20,8 +23,12 @@ TINY = ["--model", "llama-tiny-a", "--new-tokens", "8", "--repeats", "1", "--swa
         "--metrics-pairs", "2", "--metrics-window", "0.3"]
 
 
-def _bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# torch's and oneDNN's own caps: an AVX-512 host runs as an AVX2-only one (actors/cpu_isa.py)
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _bench(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "deploy.cli.main", "bench", "engine", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -73,9 +80,30 @@ def test_bench_engine_writes_every_figure(tmp_path):
     for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "decode_tps", "hf_generate_tps", "decode_vs_hf"):
         assert _positive(shape[key]), (key, shape.get(key))
     assert _share(shape["scheduler_overhead_frac"]), shape.get("scheduler_overhead_frac")
+    # the shape's bf16 runs as bf16 where this CPU has the kernels for it, else in float32, saying why
+    refusal = KernelPath("fast", "cpu").refusal(torch.bfloat16)
+    assert bool(shape.get("dtype_fallback")) == bool(refusal), (shape.get("dtype_fallback"), refusal)
     for line in ("swap_vs_memcpy", "decode_vs_hf", "scheduler_overhead_frac", "shape test-tiny"):
         assert line in proc.stdout
     assert _bench_shm_files() <= shm_before, "the benchmark left host-cache files in /dev/shm"
+
+
+@pytest.mark.skipif("avx2" not in Path("/proc/cpuinfo").read_text(), reason="not an x86-64 CPU with AVX2")
+def test_bench_engine_measures_bf16_in_float32_on_an_avx2_cpu(tmp_path):
+    """With AVX-512 hidden (as on an AVX2-only CPU) the random-weight shape's bf16 has no fast
+    kernels: its figures are measured in float32 and the JSON and the table say why."""
+    out = tmp_path / "bench.json"
+    proc = _bench(*TINY, "--sections", "swap", "--shapes", "test-tiny", "--shape-sections", "swap,decode",
+                  "--shape-repeats", "1", "--json", str(out), env=AVX2_ONLY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["kernel_path"]["cpu"]["avx512f"] is False and r["kernel_path"]["cpu"]["onednn_bf16"] is False
+    shape = r["shapes"]["test-tiny"]
+    assert shape["dtype_fallback"].startswith("float32 instead of bfloat16: ")
+    assert "AVX512-BF16 or AMX" in shape["dtype_fallback"]
+    for key in ("swap_s", "decode_tps", "hf_generate_tps"):
+        assert _positive(shape[key]), (key, shape.get(key))
+    assert "dtype: float32 instead of bfloat16" in proc.stdout
 
 
 def _bench_shm_files() -> set[str]:

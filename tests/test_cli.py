@@ -148,3 +148,55 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# Issue 40: Ctrl-C or SIGTERM ended a serve only after ~50 s. A behaviour floor, not a benchmark.
+STOP_FLOOR_S = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_serve():
+    """(process, port) of a `tokenmux serve` of one tiny zoo model on a free loopback port, serving."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--models", "llama-tiny-a",
+                             "--port", str(port)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "tokenmux serve exited before serving"
+            if "Ctrl-C" in line:
+                break
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_a_second_serve_on_a_taken_port_exits_2_and_the_first_keeps_serving(tiny_serve):
+    proc, port = tiny_serve
+    second = _tokenmux_without_ray("serve", "--models", "llama-tiny-a", "--port", str(port))
+    assert second.returncode == 2
+    assert f"port {port} is in use (another tokenmux serve? `tokenmux shutdown`)" in _one_error_line(second)
+    body = {"model": "llama-tiny-a", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    codes = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code
+             for _ in range(6)]
+    assert codes == [200] * 6 and proc.poll() is None
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_and_its_ray_within_the_floor(tiny_serve):
+    proc, _ = tiny_serve
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert RAY_PROCESSES <= {p.name() for p in tree}   # the Ray this serve started, and its workers
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    gone = poll_until(lambda: not [p for p in tree if _alive(p.pid)], 120, 0.05)
+    stop_s = time.monotonic() - start
+    assert proc.returncode == 0
+    assert gone, [(p.pid, p.name()) for p in tree if _alive(p.pid)]
+    assert stop_s < STOP_FLOOR_S, f"tokenmux serve and its processes took {stop_s:.1f} s to stop"

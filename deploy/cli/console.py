@@ -1,5 +1,5 @@
 """What an operator sees on the console: Ray's log lines kept off it, one-line answers when
-nothing is running, and a clean stop on SIGTERM.
+nothing is running, a taken port refused before anything starts, and a clean stop on SIGTERM.
 
 Ray Serve logs to the console at INFO ("Started Serve in namespace ...", "Connecting to
 existing Serve app ... New http_options will not be applied", which reads as if --port
@@ -10,6 +10,7 @@ connect raises KeyboardInterrupt instead, so `serve` undeploys and stops Ray as 
 """
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -46,6 +47,24 @@ def stop_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError unless `host:port` can be bound now. Serve's proxy binds with SO_REUSEPORT,
+    so a second server on a taken port would start and share the port's connections with the
+    first; a plain bind (no SO_REUSEPORT) fails with EADDRINUSE while anything listens there."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on {host}: {e.strerror or e}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed server's TIME_WAIT owns nothing
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} is in use (another tokenmux serve? `tokenmux shutdown`)") from None
+            raise ValueError(f"cannot serve on {host}:{port} ({e.strerror or e})") from None
 
 
 def check_reachable(address: str, timeout_s: float = 2.0) -> None:

@@ -3,16 +3,18 @@
 `serve` joins the Ray cluster at --address / $RAY_ADDRESS, or starts a local one with
 virtual devices (loopback only, see cluster/ray_runtime.py); deploys
 `deploy.serve_app.app:build_app` with Serve; prints the URL; and stays until Ctrl-C or
-SIGTERM (then deletes the app and stops the Ray it started), or returns at once with
+SIGTERM (then stops the Ray it started, or deletes the app from the cluster it joined), or returns at once with
 --detach. Without --models or --config it serves the embedded default (DEFAULT_MODELS:
 two zoo models trained to write words, built on first use). Checkpoint dirs are checked
-before Ray starts (one line naming the path and the cause), and HTTP beyond loopback
+before Ray starts (one line naming the path and the cause), and so is the port of a local
+start (a taken one is refused: Serve's proxy would share it), and HTTP beyond loopback
 needs an API key (--api-key, $TOKENMUX_API_KEYS) unless --allow-no-auth says otherwise.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -50,8 +52,6 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
 
 def serve_args(ns: argparse.Namespace) -> tuple["AppArgs", str, int]:
     """(app args, host, port) of `tokenmux serve`; ValueError / CheckpointError on bad input."""
-    import os
-
     from deploy.openai_api.auth import ENV_VAR, keys_from_env
 
     if ns.config:
@@ -71,12 +71,14 @@ def serve_args(ns: argparse.Namespace) -> tuple["AppArgs", str, int]:
 
 def run_serve(ns: argparse.Namespace) -> int:
     from cluster.ray_runtime import connect_or_start
-    from deploy.cli.console import quiet_ray, stop_on_sigterm
+    from deploy.cli.console import check_port_free, quiet_ray, stop_on_sigterm
     from deploy.serve_app.app_args import check_local_sources
 
     verbose = bool(getattr(ns, "verbose", False))
     args, host, port = serve_args(ns)
     check_local_sources(args.models)   # before Ray starts: a bad path is one line, at once
+    if not (ns.address or os.environ.get("RAY_ADDRESS")):   # a joined cluster's Serve may hold it already
+        check_port_free(host, port)
     quiet_ray(verbose)
     # Replica and worker logs reach this terminal with -v only (Serve logs every request).
     runtime = connect_or_start(ns.address, num_virtual_gpus=ns.devices, log_to_driver=verbose)
@@ -103,14 +105,20 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def _stop(runtime) -> None:
-    """Delete the app; end Ray if this process started it. A second signal does not cut it short."""
+    """End what this serve started: the Ray it started, or else (a joined cluster) the app.
+    A second signal does not cut it short.
+
+    Serve, the app and every actor end with the Ray they run on, so a local stop is just
+    `ray.shutdown()` (~2 s): deleting the app first waited in `serve.status()` for up to ~50 s
+    (more so while the app was still deploying), and serve.shutdown only adds noise."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(Exception):
-        undeploy()
-    if runtime.started_locally:   # Serve ends with the Ray it runs on (serve.shutdown first only adds noise)
+    if runtime.started_locally:
         import ray
 
         ray.shutdown()
+        return
+    with contextlib.suppress(Exception):
+        undeploy()

@@ -80,15 +80,21 @@ def run(args: argparse.Namespace) -> int:
     from actors.kernel_path import KernelPath
     from actors.model_spec import ModelSpec
 
+    kernel_path = KernelPath(args.kernels, device.type)
     model_dtype = getattr(torch, args.dtype or ModelSpec.from_dir(path).torch_dtype)
+    fallback = _dtype_fallback(kernel_path, model_dtype)
+    if fallback:
+        args.dtype, model_dtype = "float32", torch.float32
     run = _Run(args, {
-        "kernel_path": KernelPath(args.kernels, device.type).describe(model_dtype),
+        "kernel_path": kernel_path.describe(model_dtype),
         "threads": torch.get_num_threads(),
         "benchmark": "engine", "command": " ".join(sys.argv), "model": args.model, "model_path": str(path), "dtype": args.dtype or "checkpoint",
         "machine": machine_info(device),
         "options": {k: v for k, v in vars(args).items() if k not in ("run", "func")},
     })
     r = run.results
+    if fallback:
+        r["dtype_fallback"] = fallback
     # One checkpoint under names "<model>-<i>" throughout: each name maps (and, on a GPU,
     # pins) the host-cache file once, so reusing names keeps the cold path short.
     names = [f"{args.model}-{i}" for i in range(max(2, args.overhead_models))]
@@ -127,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(f"\nwritten: {args.json}", flush=True)
     return 0
+
+
+def _dtype_fallback(kernel_path, dtype) -> str:
+    """Why `dtype` is measured in float32 here ("" when it runs as asked): a figure of a dtype
+    this CPU has no fast kernels for (bf16 without AVX512-BF16 or AMX) is measured in float32
+    and says so, rather than failing the run."""
+    refusal = kernel_path.refusal(dtype)
+    return f"float32 instead of {str(dtype).removeprefix('torch.')}: {refusal}" if refusal else ""
 
 
 def _model_path(model: str, zoo) -> Path:
@@ -229,11 +243,18 @@ def _fitting_slots(path: Path, args, device, wanted: int) -> int:
 
 
 def _shape(run: _Run, shape: str, args, device, sections: list[str]) -> dict:
+    import torch
+
+    from actors.kernel_path import KernelPath
     from load_tests.bench.common import bench_host_cache
     from load_tests.bench.shapes import build_shape, scratch_dir, shape_bytes, shape_info
     from load_tests.bench.swap import measure_swap
 
     out = {"shape": shape_info(shape)}
+    fallback = _dtype_fallback(KernelPath(args.kernels, device.type), getattr(torch, out["shape"]["dtype"]))
+    dtype = "float32" if fallback else None   # None: the checkpoint's bf16
+    if fallback:
+        out["dtype_fallback"] = fallback
     if not run.allowed(f"shape-{shape}"):
         out["skipped"] = "time budget"
         return out
@@ -241,12 +262,11 @@ def _shape(run: _Run, shape: str, args, device, sections: list[str]) -> dict:
     path = build_shape(shape, scratch_dir(shape_bytes(shape)), device)
     out["build_s"] = time.perf_counter() - start
     names = [f"{shape}-{i}" for i in range(max(2, args.shape_overhead_models))]
-    shape_args = argparse.Namespace(**{**vars(args), "dtype": None,   # the checkpoint's bf16
-                                       "overhead_repeats": args.shape_repeats})
+    shape_args = argparse.Namespace(**{**vars(args), "dtype": dtype, "overhead_repeats": args.shape_repeats})
     try:
-        with bench_host_cache(shape_bytes(shape)) as cache:
+        with bench_host_cache(shape_bytes(shape) * (2 if fallback else 1)) as cache:
             if "swap" in sections and run.allowed(f"shape-{shape}-swap"):
-                out.update(measure_swap(path, device=device, dtype=None, repeats=2 * args.shape_repeats + 1,
+                out.update(measure_swap(path, device=device, dtype=dtype, repeats=2 * args.shape_repeats + 1,
                                         host_cache=cache, names=(names[0], names[1]), kernels=args.kernels))
                 run.save()
             if "decode" in sections and run.allowed(f"shape-{shape}-decode"):
@@ -291,6 +311,7 @@ def format_table(r: dict) -> str:
     lines = [f"engine benchmark: {r['model']} on {m['device']} ({m['device_name']}), dtype {r['dtype']}, "
              f"{m['torch_threads']} torch threads, {m['cpu_count']} CPUs, load average {m['load_average'][0]}",
              f"kernels: {r['kernel_path']['kernels']}: {r['kernel_path']['linear']}; {r['kernel_path']['attention']}",
+             *([f"dtype: {r['dtype_fallback']}"] if r.get("dtype_fallback") else []),
              f"{'metric':<40} {'value':>12}  {'floor':<8} met"]
     rows = ["swap_s", "memcpy_limit_s", "swap_vs_memcpy", "cold_load_s", "cold_load_warm_s", "cold_load_evicted_s",
             "swap_vs_cold_reduction", "decode_tps", "hf_generate_tps", "decode_vs_hf", "decode_only_tps",
@@ -307,6 +328,8 @@ def format_table(r: dict) -> str:
         lines.append(f"{'cold_load_kind':<40} {r['cold_load_kind']:>12}")
     for shape, s in r.get("shapes", {}).items():
         lines.append(f"shape {shape} ({s['shape']['params'] / 1e9:.2f}B params, random bf16 weights, zoo vocab):")
+        if s.get("dtype_fallback"):
+            lines.append(f"  dtype: {s['dtype_fallback']}")
         for key in ("swap_s", "memcpy_limit_s", "swap_vs_memcpy", "swap_gb_s", "decode_tps", "hf_generate_tps",
                     "decode_vs_hf", "scheduler_overhead_frac", "decode_vs_bw_limit", "bw_decode_step_s",
                     "bw_limit_step_s"):
