@@ -120,7 +120,9 @@ def test_packed_weights_are_viewed_in_place_so_a_swap_in_changes_what_the_kernel
         packed_linear.packed_view(slot[:-1], shape, torch.float32, fmt)
 
 
-@pytest.mark.skipif(not packed_linear.blocked_available(), reason="the CPU kernels could not be built")
+@pytest.mark.skipif(not packed_linear.blocked_available(),
+                    reason="the blocked kernel is built for AVX-512 only (absent or hidden here), or the CPU kernels "
+                           "could not be built")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blocked_linear_equals_f_linear_at_every_batch_size(threads):
     """Rows run in register tiles of up to 8 with a tail, blocks split across threads:
@@ -217,7 +219,8 @@ def test_engine_on_the_fast_path_swaps_packed_weights_and_keeps_its_tokens(monke
         assert {k: v for k, v in together.items() if k.startswith(n)} == alone
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 oneDNN kernels")
+@pytest.mark.skipif(bool(KernelPath("fast", "cpu").refusal(torch.bfloat16)),
+                    reason=KernelPath("fast", "cpu").refusal(torch.bfloat16))
 def test_opt_in_bf16_fast_path_runs_packed_and_stays_close(monkeypatch, prefix):
     monkeypatch.setattr(layer_kernels, "PACK_MIN_ELEMENTS", 0)
     path = ensure_model("mistral-tiny-b")
@@ -238,11 +241,42 @@ def test_opt_in_bf16_fast_path_runs_packed_and_stays_close(monkeypatch, prefix):
     assert (fast.argmax(-1) == ref.argmax(-1)).sum() >= len(prompts) - 1
 
 
-def test_bf16_fast_path_is_refused_where_the_cpu_lacks_it(monkeypatch):
-    from actors import kernel_path
+# What an AVX2-only CPU sees, reproduced on any x86-64 host by torch's and oneDNN's own caps.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_PROBE = """
+import json, subprocess, torch
+from torch.utils.cpp_extension import _get_build_directory
+from actors import packed_linear, paged_attention_cpu
+from actors.kernel_path import KernelPath, cpu_features
+built = paged_attention_cpu.available()
+name = paged_attention_cpu.build_name_and_flags()[0]
+code = subprocess.run(["objdump", "-d", f"{_get_build_directory(name, False)}/{name}.so"], capture_output=True,
+                      text=True).stdout if built else ""
+print(json.dumps({"features": cpu_features(), "refusal": KernelPath("fast", "cpu").refusal(torch.bfloat16),
+                  "reference_packs": KernelPath("reference", "cpu").packs(torch.bfloat16),
+                  "fp32_blocked": packed_linear.packed_format((96, 80), torch.float32).blocked,
+                  "built": built, "zmm": "%zmm" in code, "ymm": "%ymm" in code}))
+"""
 
-    monkeypatch.setattr(kernel_path, "cpu_features", lambda: {"onednn": True, "onednn_bf16": False,
-                                                              "torch_capability": "AVX2"})
-    with pytest.raises(ValueError, match="AVX512-BF16 or AMX"):
-        KernelPath("fast", "cpu").packs(torch.bfloat16)
-    assert KernelPath("reference", "cpu").packs(torch.bfloat16) is False
+
+@pytest.mark.skipif("avx2" not in Path("/proc/cpuinfo").read_text(), reason="not an x86-64 CPU with AVX2")
+def test_an_avx2_cpu_runs_fast_float32_without_avx512_and_refuses_fast_bf16():
+    """With AVX-512 hidden no AVX-512 feature counts, the fast bf16 path is refused with the
+    reason, float32 matrices go to oneDNN, and our kernels are built without AVX-512 code."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", AVX2_PROBE], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, **AVX2_ONLY})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    features = r["features"]
+    assert features["torch_capability"] == "AVX2" and features["avx2"]
+    assert not any(features[f] for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"))
+    assert not features["blocked_f32"] and not features["onednn_bf16"] and not r["fp32_blocked"]
+    assert "AVX512-BF16 or AMX" in r["refusal"] and "use dtype float32" in r["refusal"]
+    assert r["reference_packs"] is False
+    if r["built"]:
+        assert not r["zmm"] and r["ymm"]   # AVX2 code, no AVX-512 register anywhere
