@@ -1,5 +1,6 @@
 """The fast path (EngineConfig.kernels="fast") checked against the reference path the way
-kernel libraries check theirs: on every zoo architecture, prefill logits within 1e-4
+kernel libraries check theirs: on every zoo architecture and the families of
+tests/family_checkpoints.py, prefill logits within 1e-4
 relative of the reference, and wherever greedy output diverges from the reference, the
 reference's top-2 logits at that step are a near tie. Each model runs twice: with the
 default packing threshold and with every linear weight packed (threshold 0), so the
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from family_checkpoints import FAMILIES
 
 from actors import layer_kernels, packed_linear, paged_attention_cpu
 from actors.device_memory import DeviceMemory
@@ -33,7 +36,7 @@ LOGIT_RTOL = 1e-4
 TIE_MARGIN = 1e-4      # relative to the largest |logit| of that row
 STEPS = 12
 PROMPT_LENGTHS = [1, 5, 16, 17, 31, 40]
-MODELS = list(TINY_MODELS) + ["llama-10m"]   # every zoo architecture; llama-10m packs by default
+MODELS = list(TINY_MODELS) + ["llama-10m"] + list(FAMILIES)   # every family; llama-10m packs by default
 
 
 def _params(path: Path, kernels: str, prefix: str) -> tuple[ModelSpec, dict, WeightSlots]:
@@ -75,10 +78,10 @@ def prefix():
 
 @pytest.mark.parametrize("pack_all", [False, True], ids=["default-packing", "all-packed"])
 @pytest.mark.parametrize("name", MODELS)
-def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all, prefix, monkeypatch):
+def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all, prefix, monkeypatch, tmp_path):
     if pack_all:
         monkeypatch.setattr(layer_kernels, "PACK_MIN_ELEMENTS", 0)
-    path = ensure_model(name)
+    path = FAMILIES[name](tmp_path / name) if name in FAMILIES else ensure_model(name)
     spec, ref_params, _ = _params(path, "reference", prefix + "-r")
     _, fast_params, _ = _params(path, "fast", prefix + "-f")
     packed = sum(packed_linear.is_packed(v) for v in fast_params.values())

@@ -314,3 +314,29 @@ def test_a_decode_worker_lost_mid_stream_is_resumed_by_the_caller(fresh_pair, pa
     assert frames[-1].finish_reason == "length", frames[-1].error
     assert [t for f in frames for t in f.token_ids] == long_reference
     assert client.num_resumed == 1 and frames[-1].worker_id == "pre2"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_new_families_decode_after_a_handoff_as_on_one_worker(tmp_path, family):
+    """Prefill on one engine, decode on another: Qwen3, Gemma 3 (window 8 < the 20-token prompt)
+    and Phi-3 (the decode worker passes longrope's pretraining length of 32 and recomputes from
+    position 0) keep the single-worker tokens."""
+    from family_checkpoints import FAMILIES
+
+    from actors.handoff import KVHandoff
+    from actors.kv_transfer import KVTransfers
+
+    ckpt = FAMILIES[family](tmp_path / family)
+    alone = _engine(ckpt)
+    alone.add_request(_request())
+    reference = _run(alone)["r"]
+    src_t, dst_t = KVTransfers("p", "node", "cpu"), KVTransfers("d", "node", "cpu")
+    try:
+        src, dst = KVHandoff(_engine(ckpt), src_t), KVHandoff(_engine(ckpt), dst_t)
+        first, (state, desc) = _prefill(src, src.engine, steps=2)
+        assert dst.adopt(state, desc) is True
+        src.end_export("r", handed_off=True)
+        assert first + _run(dst.engine)["r"] == reference
+    finally:
+        src_t.close()
+        dst_t.close()

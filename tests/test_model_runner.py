@@ -1,8 +1,11 @@
 """The model runner's greedy output equals transformers' `generate` token for token.
 
-Each model runs a mixed batch of prompts (lengths 1..47, many crossing 16-token block
-boundaries) through one prefill forward and then batched decode steps over a paged KV
-pool with scattered, non-consecutive blocks in two slabs. The oracle is HF `generate`
+Zoo models cover Llama, Qwen2 and Mistral; Qwen3, Gemma 3 and Phi-3 are tiny checkpoints
+written by transformers at test time (tests/family_checkpoints.py), one of them bf16 and
+sharded, read back in float32 as the oracle reads it. Each model runs a mixed batch of
+prompts (lengths 1..47, many crossing 16-token block boundaries) through one prefill
+forward and then batched decode steps over a paged KV pool with scattered,
+non-consecutive blocks in two slabs. The oracle is HF `generate`
 (greedy) of the same checkpoint, one prompt at a time.
 """
 from __future__ import annotations
@@ -11,6 +14,7 @@ import random
 
 import pytest
 import torch
+from family_checkpoints import gemma3, phi3, qwen3
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
@@ -28,7 +32,8 @@ class Model:
 
     def __init__(self, path):
         self.spec = ModelSpec.from_dir(path)
-        self.params = load_file(str(path / "model.safetensors"))
+        self.params = {name: t.float() for file in sorted(path.glob("*.safetensors"))   # every shard
+                       for name, t in load_file(str(file)).items()}
         self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.runner = ModelRunner(self.spec, torch.device("cpu"))
         self._refs: dict[tuple[int, ...], list[int]] = {}
@@ -93,7 +98,9 @@ def generate(model: Model, prompts: list[list[int]], split: int | None = None, k
             outputs[i].append(token)
             if token not in eos and len(outputs[i]) < MAX_NEW:
                 next_live.append(i)
-                next_chunks.append(SeqChunk([token], chunk.start_pos + len(chunk.token_ids), chunk.block_ids))
+                start = chunk.start_pos + len(chunk.token_ids)
+                restart = model.runner.recompute_from(start, start + 1)   # longrope crossing its pretraining length
+                next_chunks.append(SeqChunk((prompts[i] + outputs[i])[restart:], restart, chunk.block_ids))
         live, chunks = next_live, next_chunks
     return outputs
 
@@ -122,6 +129,12 @@ CUSTOM = {
     "llama-yarn": lambda: _small(LlamaConfig, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}),
 }
+FAMILIES = {
+    "qwen3": qwen3,
+    "qwen3-bf16-sharded": lambda path: qwen3(path, dtype=torch.bfloat16, max_shard_size="100KB"),
+    "gemma3": gemma3,
+    "phi3": phi3,
+}
 ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a"]
 
 
@@ -133,6 +146,8 @@ def models(tmp_path_factory):
         if name not in cache:
             if name in CUSTOM:
                 path = _save(CUSTOM[name](), tmp_path_factory.mktemp(name))
+            elif name in FAMILIES:
+                path = FAMILIES[name](tmp_path_factory.mktemp(name))
             else:
                 path = ensure_model(name)
             cache[name] = Model(path)
@@ -141,7 +156,7 @@ def models(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM))
+@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(FAMILIES))
 def test_greedy_batch_equals_hf_generate(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size)
@@ -150,7 +165,7 @@ def test_greedy_batch_equals_hf_generate(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8"])
+@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "gemma3"])
 def test_resume_in_two_chunks_gives_same_tokens(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size, seed=1, min_len=12)
@@ -159,7 +174,7 @@ def test_resume_in_two_chunks_gives_same_tokens(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8"])
+@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "qwen3", "phi3"])
 def test_prompts_joining_a_running_batch_give_same_tokens(models, name):
     """Continuous batching: prefill chunks share forwards with other sequences' decode steps."""
     model = models(name)
