@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -31,6 +32,32 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 class CheckpointError(ValueError):
     """A path that is not a checkpoint tokenmux can serve; the message is one line."""
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The sparse mixture-of-experts blocks of a checkpoint (actors/moe.py runs them)."""
+
+    num_experts: int
+    top_k: int                        # experts per token
+    intermediate_size: int            # of one expert
+    norm_topk_prob: bool              # the top-k probabilities renormalised to sum to 1 (Mixtral: always)
+    float32_weights: bool             # routing weights kept in float32 (Mixtral) or cast to the model dtype (Qwen3-MoE)
+    sparse_layers: tuple[int, ...]    # layers whose MLP is the sparse block; the others are dense
+    stacked_experts: bool = False     # the checkpoint stores experts as 3-D tensors, not one per expert
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        object.__setattr__(self, "sparse_layers", tuple(sorted(int(i) for i in self.sparse_layers)))
+
+    def expert_params(self, hidden_size: int) -> int:
+        """Weights of one expert (gate, up and down)."""
+        return 3 * hidden_size * self.intermediate_size
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,7 @@ class ModelSpec:
     weight_bytes: int                 # sum of all tensor sizes in the safetensors files
     hidden_act: str = "silu"
     mlp_bias: bool = False
+    moe: MoeSpec | None = None        # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
@@ -85,6 +113,8 @@ class ModelSpec:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if self.moe is not None and not set(self.moe.sparse_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"sparse layers {self.moe.sparse_layers} outside the model's {self.num_layers} layers")
 
     @property
     def name(self) -> str:
@@ -97,6 +127,14 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return self.weight_bytes // self.dtype_bytes
+
+    @property
+    def num_active_params(self) -> int:
+        """Weights one token reads: all of a dense model; a sparse one's unchosen experts left out."""
+        if self.moe is None:
+            return self.num_params
+        idle = self.moe.num_experts - self.moe.top_k
+        return self.num_params - len(self.moe.sparse_layers) * idle * self.moe.expert_params(self.hidden_size)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -187,7 +225,27 @@ def _spec_from_config(root: Path, c: dict[str, Any], gen: dict[str, Any]) -> Mod
         weight_bytes=weight_bytes,
         hidden_act=hidden_act,
         mlp_bias=bool(c.get("mlp_bias", False)),
+        moe=_moe(root, model_type, c),
     )
+
+
+def _moe(root: Path, model_type: str, c: dict[str, Any]) -> MoeSpec | None:
+    """The sparse blocks of a MoE config (Mixtral: every layer; Qwen3-MoE: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`), None for a dense model."""
+    if model_type == "mixtral":
+        num_layers = int(c["num_hidden_layers"])
+        return MoeSpec(
+            num_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+            intermediate_size=int(c["intermediate_size"]), norm_topk_prob=True, float32_weights=True,
+            sparse_layers=tuple(range(num_layers)), stacked_experts=_stacked_experts(root),
+        )
+    return None
+
+
+def _stacked_experts(root: Path) -> bool:
+    """Whether the checkpoint stores its experts as 3-D tensors (`...experts.gate_up_proj`)."""
+    return any(name.endswith(".experts.gate_up_proj")
+               for file in _safetensors_files(root) for name in read_safetensors_header(file))
 
 
 def _rope(c: dict[str, Any]) -> tuple[float, dict | None]:
