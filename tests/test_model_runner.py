@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.zoo.zoo import ensure_model
+from tests import moe_checkpoints
 
 BLOCK = 16
 MAX_NEW = 10
@@ -122,7 +123,17 @@ CUSTOM = {
     "llama-yarn": lambda: _small(LlamaConfig, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}),
 }
-ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a"]
+# Sparse MoE checkpoints built here with save_pretrained (tests/moe_checkpoints.py): experts stored
+# one tensor each (as published), and stacked as 3-D tensors; a sliding window on top.
+MOE = {
+    "mixtral": lambda path: moe_checkpoints.save(moe_checkpoints.mixtral_config(), path),
+    "mixtral-stacked": lambda path: moe_checkpoints.stack_experts(
+        moe_checkpoints.save(moe_checkpoints.mixtral_config(), path / "per-expert"), path / "stacked"),
+    "mixtral-window-8": lambda path: moe_checkpoints.save(
+        moe_checkpoints.mixtral_config(sliding_window=8, num_hidden_layers=3, num_local_experts=8), path),
+}
+ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a",
+              "mixtral-tiny-a"]
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +144,8 @@ def models(tmp_path_factory):
         if name not in cache:
             if name in CUSTOM:
                 path = _save(CUSTOM[name](), tmp_path_factory.mktemp(name))
+            elif name in MOE:
+                path = MOE[name](tmp_path_factory.mktemp(name))
             else:
                 path = ensure_model(name)
             cache[name] = Model(path)
@@ -141,7 +154,7 @@ def models(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM))
+@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(MOE))
 def test_greedy_batch_equals_hf_generate(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size)
@@ -150,7 +163,7 @@ def test_greedy_batch_equals_hf_generate(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8"])
+@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "mixtral-window-8"])
 def test_resume_in_two_chunks_gives_same_tokens(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size, seed=1, min_len=12)
@@ -159,7 +172,7 @@ def test_resume_in_two_chunks_gives_same_tokens(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8"])
+@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "mixtral"])
 def test_prompts_joining_a_running_batch_give_same_tokens(models, name):
     """Continuous batching: prefill chunks share forwards with other sequences' decode steps."""
     model = models(name)
