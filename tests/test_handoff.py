@@ -314,3 +314,25 @@ def test_a_decode_worker_lost_mid_stream_is_resumed_by_the_caller(fresh_pair, pa
     assert frames[-1].finish_reason == "length", frames[-1].error
     assert [t for f in frames for t in f.token_ids] == long_reference
     assert client.num_resumed == 1 and frames[-1].worker_id == "pre2"
+
+
+def test_a_moe_model_handed_off_decodes_what_generate_decodes(zoo_model):
+    """A sparse MoE (mixtral-tiny-a) served under the same name: prefill on one engine, KV over
+    shared memory, decode on another; the tokens are transformers' greedy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    moe_path = zoo_model("mixtral-tiny-a")
+    (src, dst), transfers = _ends(lambda buf: _engine(moe_path, buf), lambda: _engine(moe_path), shared=True)
+    try:
+        first, (state, desc) = _prefill(src, src.engine, steps=2)
+        assert dst.adopt(state, desc) is True
+        src.end_export("r", handed_off=True)
+        got = first + _run(dst.engine)["r"]
+    finally:
+        for t in transfers:
+            t.close()
+    hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                       max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)[0, len(PROMPT):].tolist()
+    assert got[:len(want)] == want   # generate() stops at an EOS, the request (ignore_eos) goes on
