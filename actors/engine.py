@@ -307,10 +307,15 @@ class Engine:
 
         partial = output.partial
 
+        def chunk(r: Request) -> SeqChunk:
+            tokens, start = _new_tokens(r, partial.get(r.request_id)), r.num_computed_tokens
+            restart = m.runner.recompute_from(start, start + len(tokens))   # longrope past its pretraining length
+            if restart < start:
+                tokens = (list(r.prompt_token_ids) + list(r.output_token_ids))[restart:start] + tokens
+            return SeqChunk(tokens, restart, r.block_ids)
+
         def forward(requests: list[Request]) -> torch.Tensor:   # -> [B, vocab]
-            chunks = [SeqChunk(_new_tokens(r, partial.get(r.request_id)), r.num_computed_tokens, r.block_ids)
-                      for r in requests]
-            return m.runner.forward(params, chunks, m.kv)
+            return m.runner.forward(params, [chunk(r) for r in requests], m.kv)
 
         def draw(requests: list[Request], logits: torch.Tensor) -> list[int]:
             return self.sampler.sample(logits, [r.sampling_params for r in requests],

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from actors import moe, packed_linear, paged_attention_cpu
-from actors.layers import apply_rope, paged_attention, rms_norm
+from actors.layers import activation, apply_rope, embed, paged_attention, rms_norm, softcap, unit_offset_rms_norm
 from actors.model_spec import ModelSpec
 from actors.weight_layout import PlannedTensor
 from scheduler.kv_blocks import BLOCK_SIZE
@@ -38,13 +38,13 @@ class LayerNames:
     """Parameter names of one decoder layer (None: the checkpoint has no such tensor)."""
 
     input_norm: str
-    post_norm: str
-    q: str
-    k: str
-    v: str
+    mlp_norm: str                    # the norm in front of the MLP
+    q: str | None                    # None where the checkpoint stores q/k/v fused (Phi-3)
+    k: str | None
+    v: str | None
     o: str
-    gate: str
-    up: str
+    gate: str | None                 # None where the checkpoint stores gate/up fused (Phi-3)
+    up: str | None
     down: str
     qkv: str
     gate_up: str
@@ -57,25 +57,38 @@ class LayerNames:
     down_bias: str | None = None
     qkv_bias: str | None = None
     gate_up_bias: str | None = None
+    q_norm: str | None = None        # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    k_norm: str | None = None
+    attn_out_norm: str | None = None  # norm of the attention output before the residual add (Gemma 3)
+    mlp_out_norm: str | None = None   # norm of the MLP output before the residual add (Gemma 3)
     moe: moe.MoeNames | None = None   # a sparse layer's MoE block (actors/moe.py) in place of gate/up/down
 
 
 def layer_names(spec: ModelSpec, i: int) -> LayerNames:
+    family = spec.family
     p, attn, mlp = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    qkv_bias = spec.attention_bias                                  # qwen2 always; llama when configured
-    o_bias = spec.attention_bias and spec.model_type == "llama"     # llama's flag covers o_proj too
+    qkv_bias = spec.attention_bias                       # qwen2 always; the others when configured
+    o_bias = spec.attention_bias and family.o_bias       # qwen2's always-on q/k/v bias leaves o_proj out
     mlp_bias = spec.mlp_bias
+    split = not family.fused_checkpoint
+    sandwich = family.sandwich_norms
     return LayerNames(
-        input_norm=p + "input_layernorm.weight", post_norm=p + "post_attention_layernorm.weight",
-        q=attn + "q_proj.weight", k=attn + "k_proj.weight", v=attn + "v_proj.weight", o=attn + "o_proj.weight",
-        gate=mlp + "gate_proj.weight", up=mlp + "up_proj.weight", down=mlp + "down_proj.weight",
-        qkv=attn + "qkv_proj.weight", gate_up=mlp + "gate_up_proj.weight",
+        input_norm=p + "input_layernorm.weight",
+        mlp_norm=p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"),
+        q=attn + "q_proj.weight" if split else None, k=attn + "k_proj.weight" if split else None,
+        v=attn + "v_proj.weight" if split else None, o=attn + "o_proj.weight",
+        gate=mlp + "gate_proj.weight" if split else None, up=mlp + "up_proj.weight" if split else None,
+        down=mlp + "down_proj.weight", qkv=attn + "qkv_proj.weight", gate_up=mlp + "gate_up_proj.weight",
         q_bias=attn + "q_proj.bias" if qkv_bias else None, k_bias=attn + "k_proj.bias" if qkv_bias else None,
         v_bias=attn + "v_proj.bias" if qkv_bias else None, o_bias=attn + "o_proj.bias" if o_bias else None,
         gate_bias=mlp + "gate_proj.bias" if mlp_bias else None, up_bias=mlp + "up_proj.bias" if mlp_bias else None,
         down_bias=mlp + "down_proj.bias" if mlp_bias else None,
         qkv_bias=attn + "qkv_proj.bias" if qkv_bias else None,
         gate_up_bias=mlp + "gate_up_proj.bias" if mlp_bias else None,
+        q_norm=attn + "q_norm.weight" if family.qk_norm else None,
+        k_norm=attn + "k_norm.weight" if family.qk_norm else None,
+        attn_out_norm=p + "post_attention_layernorm.weight" if sandwich else None,
+        mlp_out_norm=p + "post_feedforward_layernorm.weight" if sandwich else None,
         moe=moe.moe_names(spec.model_type, spec.moe, i) if spec.moe is not None else None,
     )
 
@@ -99,13 +112,14 @@ def fast_plan(spec: ModelSpec, pack: bool) -> tuple[PlannedTensor, ...]:
                                   big((spec.vocab_size, hidden))))
     for i in range(spec.num_layers):
         n = layer_names(spec, i)
-        plan += [PlannedTensor(n.input_norm, (n.input_norm,)), PlannedTensor(n.post_norm, (n.post_norm,)),
-                 PlannedTensor(n.qkv, (n.q, n.k, n.v), big(((H + 2 * Hkv) * D, hidden))),
+        plan += [PlannedTensor(norm, (norm,)) for norm in
+                 (n.input_norm, n.mlp_norm, n.q_norm, n.k_norm, n.attn_out_norm, n.mlp_out_norm) if norm]
+        plan += [PlannedTensor(n.qkv, (n.q, n.k, n.v) if n.q else (n.qkv,), big(((H + 2 * Hkv) * D, hidden))),
                  PlannedTensor(n.o, (n.o,), big((hidden, H * D)))]
         if n.moe is not None:   # a sparse layer: its experts, packed one by one (CPU) or stacked
             plan += moe.fast_plan(n.moe, hidden, stack=not pack, big=big)
             continue
-        plan += [PlannedTensor(n.gate_up, (n.gate, n.up), big((2 * I, hidden))),
+        plan += [PlannedTensor(n.gate_up, (n.gate, n.up) if n.gate else (n.gate_up,), big((2 * I, hidden))),
                  PlannedTensor(n.down, (n.down,), big((hidden, I)))]
         plan += [PlannedTensor(fused, parts) for fused, parts in
                  ((n.qkv_bias, (n.q_bias, n.k_bias, n.v_bias)), (n.o_bias, (n.o_bias,)),
@@ -125,6 +139,11 @@ class LayerKernels(ABC):
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.names = [layer_names(spec, i) for i in range(spec.num_layers)]
+        self.windows = spec.layer_windows                    # per layer: sliding window or None
+        self.act = activation(spec.hidden_act)
+        # None keeps SDPA's own 1 / sqrt(D), as transformers passes it for these families
+        self.scale = spec.attention_scale if spec.query_pre_attn_scalar is not None else None
+        self.family_norm = unit_offset_rms_norm if spec.family.unit_offset_norm else rms_norm
 
     @abstractmethod
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -136,7 +155,19 @@ class LayerKernels(ABC):
 
     @abstractmethod
     def mlp(self, p: dict, n: LayerNames, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU # [T, hidden] -> [T, hidden]."""
+        """Gated MLP # [T, hidden] -> [T, hidden]."""
+
+    def embed(self, p: dict, input_ids: torch.Tensor) -> torch.Tensor:
+        """# [T] -> [T, hidden] (scaled where the family scales)."""
+        return embed(input_ids, p[EMBED], self.spec)
+
+    def rotate_qk(self, p: dict, n: LayerNames, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] -> each head RMS-normed where the family does (Qwen3, Gemma 3), then RoPE."""
+        if n.q_norm is not None:
+            eps = self.spec.rms_norm_eps
+            q, k = self.family_norm(q, p[n.q_norm], eps), self.family_norm(k, p[n.k_norm], eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add and the next norm # x, delta [T, hidden] -> x + delta, norm(x + delta)."""
@@ -155,38 +186,46 @@ class LayerKernels(ABC):
         return q
 
     def attention(self, q: torch.Tensor, kv_windows: torch.Tensor, kv_flat: torch.Tensor, step,
-                  block_offsets: torch.Tensor) -> torch.Tensor:
+                  block_offsets: torch.Tensor, layer: int) -> torch.Tensor:
         """# q [T, H, D] over this layer's cached K/V -> [T, H * D] (see layers.paged_attention)."""
-        return paged_attention(q, kv_windows, block_offsets, step.mask, step.unwritten, step.batch_shape,
-                               step.token_index, self.spec.num_kv_heads)
+        mask = step.window_mask if self.windows[layer] is not None else step.mask
+        return paged_attention(q, kv_windows, block_offsets, mask, step.unwritten, step.batch_shape,
+                               step.token_index, self.spec.num_kv_heads, self.scale)
 
     def o(self, p: dict, n: LayerNames, attn: torch.Tensor) -> torch.Tensor:
         """# [T, H * D] -> [T, hidden]."""
         return linear(attn, p[n.o], _get(p, n.o_bias))
 
     def lm_head(self, p: dict, x: torch.Tensor) -> torch.Tensor:
-        """# [B, hidden] -> [B, vocab] float32."""
+        """# [B, hidden] -> [B, vocab] float32 (softcapped in the weights' dtype where the config says)."""
         weight = p[EMBED] if self.spec.tie_word_embeddings and LM_HEAD not in p else p[LM_HEAD]
-        return linear(x, weight).float()
+        return softcap(linear(x, weight), self.spec.final_logit_softcapping).float()
 
 
 class ReferenceKernels(LayerKernels):
     def norm(self, x, weight):
-        return rms_norm(x, weight, self.spec.rms_norm_eps)
+        return self.family_norm(x, weight, self.spec.rms_norm_eps)
 
     def qkv(self, p, n, h, cos, sin):
         T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        q = F.linear(h, p[n.q], _get(p, n.q_bias)).view(T, H, D)
-        k = F.linear(h, p[n.k], _get(p, n.k_bias)).view(T, Hkv, D)
-        v = F.linear(h, p[n.v], _get(p, n.v_bias))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if n.q is None:   # stored fused: one projection, sliced, as transformers runs it
+            q, k, v = F.linear(h, p[n.qkv], _get(p, n.qkv_bias)).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q = F.linear(h, p[n.q], _get(p, n.q_bias))
+            k = F.linear(h, p[n.k], _get(p, n.k_bias))
+            v = F.linear(h, p[n.v], _get(p, n.v_bias))
+        q, k = self.rotate_qk(p, n, q.view(T, H, D), k.view(T, Hkv, D), cos, sin)
+        return q, k, v
 
     def mlp(self, p, n, h):
         if n.moe is not None:   # transformers' grouped experts over the checkpoint's own tensors
             routing = moe.route(h, p[n.moe.router], self.spec.moe)
             return moe.grouped_experts(h, routing, lambda e, x: moe.swiglu(x, *n.moe.checkpoint_expert(p, e)))
-        gate = F.linear(h, p[n.gate], _get(p, n.gate_bias))
-        return F.linear(F.silu(gate) * F.linear(h, p[n.up], _get(p, n.up_bias)), p[n.down], _get(p, n.down_bias))
+        if n.gate is None:
+            gate, up = F.linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(h, p[n.gate], _get(p, n.gate_bias)), F.linear(h, p[n.up], _get(p, n.up_bias))
+        return F.linear(self.act(gate) * up, p[n.down], _get(p, n.down_bias))
 
 
 class FastKernels(LayerKernels):
@@ -194,20 +233,26 @@ class FastKernels(LayerKernels):
         super().__init__(spec)
         # on CPU: the C++ kernels (built on first use) when they build -- decode attention over
         # the pool and the fused elementwise ops (actors/fused_ops_cpu.cpp)
-        self.decode_kernel = self.fused = device.type == "cpu" and paged_attention_cpu.available()
+        self.decode_kernel = device.type == "cpu" and paged_attention_cpu.available()
+        # the fused norm is Llama's w * x; Gemma's (1 + w) in float32 runs as the reference does
+        self.fused = self.decode_kernel and not spec.family.unit_offset_norm
+        # one-pass RoPE + KV write: full rotary, no per-head norm in between
+        self.fused_rope = self.fused and not spec.family.qk_norm and spec.rotary_dim == spec.head_dim
         self.eps = spec.rms_norm_eps
 
-    def attention(self, q, kv_windows, kv_flat, step, block_offsets):
+    def attention(self, q, kv_windows, kv_flat, step, block_offsets, layer):
         B, Tq = step.batch_shape
         if not self.decode_kernel or Tq != 1 or step.unwritten.dtype == torch.bool:
-            return super().attention(q, kv_windows, kv_flat, step, block_offsets)
+            return super().attention(q, kv_windows, kv_flat, step, block_offsets, layer)
         k_offsets = block_offsets[:block_offsets.shape[0] // 2].view(B, -1)   # [B, NB] K blocks (V follows each)
         return paged_attention_cpu.decode_attention(q, kv_flat, k_offsets, step.ctx_lens, self.spec.num_kv_heads,
-                                                    self.spec.sliding_window)
+                                                    self.windows[layer], self.spec.attention_scale)
 
     def norm(self, x, weight):
         if self.fused:
             return torch.ops.tokenmux.rms_norm(x, weight, self.eps)
+        if self.spec.family.unit_offset_norm:
+            return unit_offset_rms_norm(x, weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def add_norm(self, x, delta, weight):
@@ -218,11 +263,16 @@ class FastKernels(LayerKernels):
     def qkv(self, p, n, h, cos, sin):
         T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         qkv = linear(h, p[n.qkv], _get(p, n.qkv_bias))          # [T, (H + 2 Hkv) * D]
+        v = qkv[:, (H + Hkv) * D:]
+        if n.q_norm is not None:
+            q, k = self.rotate_qk(p, n, qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D),
+                                  cos, sin)
+            return q, k, v
         qk = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)   # q and k heads in one pass
-        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:]
+        return qk[:, :H], qk[:, H:], v
 
     def qkv_cached(self, p, n, h, cos, sin, kv_tokens, kv_flat, step, layer):
-        if not self.fused:
+        if not self.fused_rope:
             return super().qkv_cached(p, n, h, cos, sin, kv_tokens, kv_flat, step, layer)
         T, H, Hkv, D = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         qkv = linear(h, p[n.qkv], _get(p, n.qkv_bias))          # [T, (H + 2 Hkv) * D]
@@ -234,7 +284,7 @@ class FastKernels(LayerKernels):
         if n.moe is not None:
             return self.sparse_mlp(p, n.moe, h)
         gate, up = linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)   # [T, I] each
-        return linear(F.silu(gate).mul_(up), p[n.down], _get(p, n.down_bias))
+        return linear(self.act(gate).mul_(up), p[n.down], _get(p, n.down_bias))
 
     def sparse_mlp(self, p, n: moe.MoeNames, h):
         """The MoE block over the fast layout: torch's grouped GEMM over stacked experts on

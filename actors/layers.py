@@ -1,21 +1,25 @@
-"""The torch pieces of a Llama-family decoder layer, written as plain functions.
+"""The torch pieces of a decoder layer of the supported families, written as plain functions.
 
 The model runner owns no nn.Modules: weights are views into a slot buffer owned by the
 weight cache, so every function here takes its weights as arguments. The arithmetic
-follows transformers' Llama/Qwen2/Mistral modelling step for step (same dtype casts, same
-order of operations) because greedy output must equal `model.generate` token for token.
+follows transformers' modelling of each family (actors/model_families.py) step for step
+(same dtype casts, same order of operations) because greedy output must equal
+`model.generate` token for token.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from actors.model_spec import ModelSpec
 
-# RoPE types whose frequencies do not depend on the sequence length; the others
-# ("dynamic", "longrope") rescale as a sequence grows, which transformers does with
-# state carried across calls, so there is no fixed behaviour to match.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# RoPE types whose frequencies follow from the positions of one forward. "longrope" picks
+# its short or long factors by the forward's length (tokens cached + new), as transformers
+# does per call; "dynamic" rescales with state carried across calls, so there is no fixed
+# behaviour to match.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,31 +29,96 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-class Rope:
-    """Rotary embedding of one model: inv_freq and attention scaling computed once."""
+def unit_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm # [T, H] -> [T, H]: weight applied as (1 + w), all in float32, cast at the end."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).type_as(x)
 
-    def __init__(self, spec: ModelSpec, device: torch.device):
-        rope_type = (spec.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
+
+def activation(name: str):
+    """The MLP's gate activation by transformers' name."""
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """# ids [T] -> [T, hidden]; Gemma scales by sqrt(hidden) rounded to the weights' dtype first."""
+    x = F.embedding(ids, weight)
+    if spec.family.embed_scale:
+        x = x * torch.tensor(spec.hidden_size ** 0.5).to(weight.dtype)
+    return x
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), in the logits' dtype, as transformers applies it; None: unchanged."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+class Rope:
+    """Rotary embedding of one kind of layer: inv_freq and attention scaling computed once.
+    `local` is Gemma 3's sliding layers: their own base, plain RoPE."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, local: bool = False):
+        scaling_params = None if local else spec.rope_scaling
+        theta = spec.rope_local_theta if local else spec.rope_theta
+        rope_type = (scaling_params or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"{spec.path}: unsupported rope_type {rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}"
+                f"{spec.path}: unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        self.long_inv_freq = None   # longrope's factors past the pretraining length
         if rope_type == "default":
-            dim = spec.head_dim
-            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            dim = spec.rotary_dim
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
+        elif rope_type == "longrope":
+            inv_freq, long_inv_freq, scaling = _longrope(spec)
+            self.long_inv_freq = long_inv_freq.to(device)
+            self.original_max_positions = int(spec.rope_scaling["original_max_position_embeddings"])
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+            if spec.rotary_dim != spec.head_dim:
+                raise ValueError(f"{spec.path}: rope_type {rope_type!r} with partial rotary is not supported")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](_hf_rope_config(spec), torch.device("cpu"))
-        self.inv_freq = inv_freq.float().to(device)  # [D/2]
+        self.inv_freq = inv_freq.float().to(device)  # [rotary_dim / 2]
         self.attention_scaling = float(scaling)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """# positions [T] -> cos, sin [T, D] in `dtype` (shared by all layers of one step)."""
-        freqs = positions[:, None].float() * self.inv_freq
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """# positions [T] -> cos, sin [T, rotary_dim] in `dtype` (shared by the layers of one kind).
+        long # [T] bool, longrope only: True where the token's forward runs past the pretraining length."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and long is not None:
+            inv_freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)
+        freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _longrope(spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(short inv_freq, long inv_freq, attention factor) of LongRoPE, transformers' arithmetic: the
+    factor defaults to max / original positions and the attention factor to
+    sqrt(1 + ln(factor) / ln(original positions))."""
+    p, dim = spec.rope_scaling, spec.rotary_dim
+    original = int(p["original_max_position_embeddings"])
+    for key in ("short_factor", "long_factor"):
+        if len(p[key]) != dim // 2:
+            raise ValueError(f"{spec.path}: longrope {key} has {len(p[key])} entries, need {dim // 2}")
+    factor = p.get("factor") or spec.max_position_embeddings / original
+    attention = p.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+
+    def inv_freq(factors) -> torch.Tensor:
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.rope_theta ** shape)
+
+    return inv_freq(p["short_factor"]), inv_freq(p["long_factor"]), float(attention)
 
 
 def _hf_rope_config(spec: ModelSpec):
@@ -67,7 +136,11 @@ def _hf_rope_config(spec: ModelSpec):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """# x [T, H, D], cos/sin [T, D] -> [T, H, D] (rotate-half convention)."""
+    """# x [T, H, D], cos/sin [T, R] -> [T, H, D] (rotate-half convention over the first R <= D dims;
+    the rest pass through, as partial rotary does)."""
+    rotary = cos.shape[-1]
+    if rotary != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -82,6 +155,7 @@ def paged_attention(
     batch_shape: tuple[int, int],
     token_index: tuple[torch.Tensor, torch.Tensor] | None,
     num_kv_heads: int,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens over each sequence's cached context.
 
@@ -95,6 +169,7 @@ def paged_attention(
     batch_shape   (B, Tq): sequences and the longest chunk
     token_index   (seq, offset) of each packed token in the [B, Tq] grid; None when every
                   chunk has Tq tokens (decode), so packing is a plain view
+    scale         softmax scale (None: 1 / sqrt(D))
     returns       # [T, Hq * D]
     """
     T, num_heads, head_dim = q.shape
@@ -115,7 +190,7 @@ def paged_attention(
     # Grouped-query attention without repeating K/V: the query heads sharing a KV head
     # become extra query rows of that head.
     qp = qp.view(B, Tq, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4).reshape(B, num_kv_heads, group * Tq, head_dim)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask)  # [B, Hkv, G*Tq, D]
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, G*Tq, D]
     out = out.view(B, num_kv_heads, group, Tq, head_dim).permute(0, 3, 1, 2, 4).reshape(B, Tq, num_heads * head_dim)
     if token_index is None:
         return out.view(T, num_heads * head_dim)

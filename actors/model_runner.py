@@ -1,4 +1,5 @@
-"""Runs a Llama/Qwen2/Mistral checkpoint over the paged KV pool: one forward per step.
+"""Runs a checkpoint of a supported family (actors/model_families.py) over the paged KV pool:
+one forward per step.
 
 There is no prefill or decode phase here either: each `SeqChunk` brings the tokens of
 one sequence that are not in the cache yet (a whole prompt, one decoded token, or the
@@ -21,7 +22,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from actors.cuda_graphs import DecodeGraphs
 from actors.layer_kernels import EMBED, FINAL_NORM, make_kernels
@@ -50,7 +50,9 @@ class _Step:
     k_rows: torch.Tensor        # [T] element offset in the pool of each new token's K row, layer 0
     block_offsets: torch.Tensor  # [2 * B * NB] element offset in the pool of every sequence's K then V
                                  # blocks, layer 0 (a layer's blocks start 2 * layer block rows later)
-    mask: torch.Tensor          # [B, 1, G * Tq, NB * 16] additive (0 or -inf)
+    mask: torch.Tensor | None   # [B, 1, G * Tq, NB * 16] additive (0 or -inf), full-attention layers
+    window_mask: torch.Tensor | None  # the same with the sliding window, for sliding layers (None: no such layer)
+    rope_long: torch.Tensor | None    # [T] bool, longrope: the token's forward runs past the pretraining length
     unwritten: torch.Tensor     # [U] flat (seq * NB * 16 + position) of gathered positions >= context length,
                                 # or (CUDA graphs, static shape) bool [B, NB * 16]: True where written
     last_index: torch.Tensor    # [B] packed index of each chunk's last token
@@ -64,10 +66,26 @@ class ModelRunner:
                  cuda_graphs: bool = False):
         self.spec = spec
         self.device = torch.device(device)
-        self.rope = Rope(spec, self.device)
+        # one rotary embedding per kind of layer: Gemma 3's sliding layers have their own base
+        global_rope = Rope(spec, self.device)
+        local_rope = Rope(spec, self.device, local=True) if spec.rope_local_theta is not None else global_rope
+        self.ropes = [global_rope] if local_rope is global_rope else [global_rope, local_rope]
+        self.layer_rope = [self.ropes.index(local_rope if w is not None else global_rope) for w in spec.layer_windows]
+        self.longrope = global_rope.long_inv_freq is not None
         self.group = spec.num_heads // spec.num_kv_heads
         self.kernels = make_kernels(kernels, spec, self.device)
         self.graphs = DecodeGraphs(self._forward_step, self.device) if cuda_graphs else None
+
+    def recompute_from(self, start_pos: int, end_pos: int) -> int:
+        """Where a forward over positions [start_pos, end_pos) of one sequence must start instead.
+
+        Longrope (Phi-3) rotates with its short factors up to the pretraining length and its
+        long ones past it, and transformers recomputes the whole cache with the long factors
+        when a sequence first passes that length: the forward that crosses it starts at 0
+        (its caller passes the sequence's tokens from there). Otherwise start_pos."""
+        if self.longrope and 0 < start_pos <= self.ropes[0].original_max_positions < end_pos:
+            return 0
+        return start_pos
 
     @torch.inference_mode()
     def forward(self, params: dict[str, torch.Tensor], chunks: list[SeqChunk], kv: torch.Tensor) -> torch.Tensor:
@@ -85,17 +103,23 @@ class ModelRunner:
         """The forward over prepared index tensors (what a CUDA graph captures)."""
         spec, kernels = self.spec, self.kernels
         kv_tokens, kv_windows, kv_flat = self._pool_views(kv)
-        x = F.embedding(step.input_ids, params[EMBED])  # [T, hidden]
-        cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+        x = kernels.embed(params, step.input_ids)  # [T, hidden]
+        cos_sin = [rope.cos_sin(step.positions, x.dtype, step.rope_long) for rope in self.ropes]
         block_row = BLOCK_SIZE * spec.num_kv_heads * spec.head_dim   # elements of one layer's K (or V) of one block
         layers = kernels.names
         h = kernels.norm(x, params[layers[0].input_norm])
         for layer, names in enumerate(layers):
+            cos, sin = cos_sin[self.layer_rope[layer]]
             # q [T, H, D]; this layer's k and v of the new tokens are in the pool after this
             q = kernels.qkv_cached(params, names, h, cos, sin, kv_tokens, kv_flat, step, layer)
-            attn = kernels.attention(q, kv_windows, kv_flat, step, step.block_offsets + 2 * layer * block_row)
-            x, h = kernels.add_norm(x, kernels.o(params, names, attn), params[names.post_norm])
+            attn = kernels.attention(q, kv_windows, kv_flat, step, step.block_offsets + 2 * layer * block_row, layer)
+            out = kernels.o(params, names, attn)
+            if names.attn_out_norm is not None:
+                out = kernels.norm(out, params[names.attn_out_norm])
+            x, h = kernels.add_norm(x, out, params[names.mlp_norm])
             delta = kernels.mlp(params, names, h)
+            if names.mlp_out_norm is not None:
+                delta = kernels.norm(delta, params[names.mlp_out_norm])
             if layer + 1 < len(layers):
                 x, h = kernels.add_norm(x, delta, params[layers[layer + 1].input_norm])
             else:
@@ -140,7 +164,9 @@ class ModelRunner:
         L2 = self.spec.num_layers * 2
         block_row = BLOCK_SIZE * self.spec.num_kv_heads * self.spec.head_dim   # elements of one layer's K of a block
         num_blocks = num_slabs * blocks_per_slab
-        input_ids, positions, slot_slabs, slot_rows, seq_of, offset_of, last_index, ctx_lens, tables = ([] for _ in range(9))
+        input_ids, positions, slot_slabs, slot_rows, seq_of, offset_of, last_index, ctx_lens, tables, longs = (
+            [] for _ in range(10))
+        long_after = self.ropes[0].original_max_positions if self.longrope else None
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
             if n == 0:
@@ -161,6 +187,8 @@ class ModelRunner:
             slot_rows += [table[p // BLOCK_SIZE] % blocks_per_slab * L2 * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
             seq_of += [b] * n
             offset_of += range(n)
+            # longrope's factors follow the forward's length, as transformers picks them per call
+            longs += [int(long_after is not None and ctx > long_after)] * n
             last_index.append(len(input_ids) - 1)
             ctx_lens.append(ctx)
             tables.append(table)
@@ -169,7 +197,7 @@ class ModelRunner:
         NB = max(len(t) for t in tables)
         if bucket is not None:
             pad = bucket[0] - len(chunks)
-            for values in (input_ids, positions, slot_slabs, slot_rows, ctx_lens, tables):
+            for values in (input_ids, positions, slot_slabs, slot_rows, ctx_lens, tables, longs):
                 values += values[-1:] * pad
             seq_of += range(len(chunks), bucket[0])
             offset_of += [0] * pad
@@ -187,14 +215,15 @@ class ModelRunner:
         k_rows = [s * slab_stride + r * row for s, r in zip(slot_slabs, slot_rows)]
         ints = torch.tensor(
             input_ids + positions + slot_slabs + slot_rows + k_rows + block_offsets + last_index + seq_of + offset_of
-            + starts + ctx_lens + unwritten,
+            + starts + ctx_lens + longs + unwritten,
             dtype=torch.long,
         ).to(self.device, non_blocking=True)
         (input_ids_t, positions_t, slot_slabs_t, slot_rows_t, k_rows_t, block_offsets_t, last_t, seq_t, offset_t,
-         start_t, ctx_t, unwritten_t) = ints.split([T, T, T, T, T, B * NB, B, T, T, B, B, len(unwritten)])
+         start_t, ctx_t, long_t, unwritten_t) = ints.split([T, T, T, T, T, B * NB, B, T, T, B, B, T, len(unwritten)])
         if bucket:
             unwritten_t = torch.arange(S, device=self.device) < ctx_t[:, None]   # [B, S] True where written
         uniform = T == B * Tq
+        windows = set(self.spec.layer_windows)
         return _Step(
             input_ids=input_ids_t,
             positions=positions_t,
@@ -202,7 +231,9 @@ class ModelRunner:
             slot_rows=slot_rows_t,
             k_rows=k_rows_t,
             block_offsets=torch.cat([block_offsets_t, block_offsets_t + block_row]),   # K blocks, then V blocks
-            mask=self._mask(start_t, Tq, S, params_dtype),
+            mask=self._mask(start_t, Tq, S, params_dtype, None) if None in windows else None,
+            window_mask=self._mask(start_t, Tq, S, params_dtype, self.spec.sliding_window) if windows - {None} else None,
+            rope_long=long_t.bool() if self.longrope else None,
             unwritten=unwritten_t,
             last_index=last_t,
             ctx_lens=ctx_t,
@@ -210,7 +241,7 @@ class ModelRunner:
             token_index=None if uniform else (seq_t, offset_t),
         )
 
-    def _mask(self, start: torch.Tensor, Tq: int, S: int, dtype: torch.dtype) -> torch.Tensor:
+    def _mask(self, start: torch.Tensor, Tq: int, S: int, dtype: torch.dtype, window: int | None) -> torch.Tensor:
         """# [B, 1, G * Tq, S] additive: 0 where the key position <= the query position (and
         inside the sliding window), -inf elsewhere. Additive once per step rather than
         boolean, which attention would convert in every layer.
@@ -221,8 +252,8 @@ class ModelRunner:
         q_pos = start[:, None] + torch.arange(Tq, device=self.device)  # [B, Tq]
         k_pos = torch.arange(S, device=self.device)
         allowed = k_pos <= q_pos[:, :, None]  # [B, Tq, S]
-        if self.spec.sliding_window is not None:
-            allowed &= k_pos > q_pos[:, :, None] - self.spec.sliding_window
+        if window is not None:
+            allowed &= k_pos > q_pos[:, :, None] - window
         B = start.shape[0]
         additive = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, float("-inf"))
         # repeat, not expand: with Tq = 1 an expanded view stays a view with stride 0 over the

@@ -16,14 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.model_families import FAMILIES, FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, Family
 from scheduler.kv_blocks import KVShape
-
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -64,7 +58,7 @@ class MoeSpec:
 class ModelSpec:
     path: str
     architecture: str                 # e.g. "LlamaForCausalLM"
-    model_type: str                   # "llama" | "qwen2" | "mistral"
+    model_type: str                   # a key of actors.model_families.FAMILIES ("llama", "qwen3", ...)
     num_layers: int
     hidden_size: int
     intermediate_size: int
@@ -76,8 +70,8 @@ class ModelSpec:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None         # None for plain RoPE; else {"rope_type": ..., "factor": ..., ...}
-    attention_bias: bool              # q/k/v carry a bias (always for qwen2); for llama o_proj too
-    sliding_window: int | None        # None = full attention
+    attention_bias: bool              # q/k/v carry a bias (always for qwen2); o_proj too where the family says
+    sliding_window: int | None        # the window of the sliding layers (None: every layer attends fully)
     tie_word_embeddings: bool
     torch_dtype: str                  # "float32" | "bfloat16" | "float16"
     dtype_bytes: int
@@ -86,14 +80,37 @@ class ModelSpec:
     weight_bytes: int                 # sum of all tensor sizes in the safetensors files
     hidden_act: str = "silu"
     mlp_bias: bool = False
+    # per layer "full_attention" | "sliding_attention"; () = every layer sliding when there is
+    # a window, else every layer full (filled in by __post_init__)
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None          # RoPE base of the sliding layers, when theirs differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None     # attention scale is this ** -0.5 (Gemma); None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
+    partial_rotary_factor: float = 1.0             # RoPE turns the first head_dim * this dims of each head
     moe: MoeSpec | None = None        # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES.values():
+        family = FAMILIES.get(self.model_type)
+        if family is None or family.architecture != self.architecture:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
+                f"unsupported architecture {self.architecture!r} (model_type {self.model_type!r}); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES.values())}"
             )
+        if self.hidden_act not in family.activations:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {self.architecture}'s "
+                             f"({', '.join(family.activations)})")
+        if not self.layer_types:
+            kind = SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+            raise ValueError(f"layer_types must name {FULL_ATTENTION} or {SLIDING_ATTENTION} for each of the "
+                             f"{self.num_layers} layers, got {list(self.layer_types)}")
+        if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need a sliding_window")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must leave an even number "
+                             f"of rotary dims in (0, head_dim]")
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                      "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings",
                      "weight_bytes"):
@@ -119,6 +136,23 @@ class ModelSpec:
     @property
     def name(self) -> str:
         return Path(self.path).name
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer (None: full attention)."""
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_shape(self) -> KVShape:
@@ -186,38 +220,48 @@ def _spec_from_config(root: Path, c: dict[str, Any], gen: dict[str, Any]) -> Mod
             f"unsupported model in {root}: architecture {arch or None!r}, model_type {model_type!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES.values())}"
         )
-    hidden_act = c.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise CheckpointError(f"unsupported model in {root}: hidden_act {hidden_act!r} (only silu)")
+    family = FAMILIES[model_type]
+    hidden_act = c.get("hidden_activation") or c.get("hidden_act") or family.activations[0]
+    if hidden_act not in family.activations:
+        raise CheckpointError(f"unsupported model in {root}: hidden_act {hidden_act!r} "
+                              f"(supported for {arch}: {', '.join(family.activations)})")
+    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if c.get(unsupported):
+            raise CheckpointError(f"unsupported model in {root}: {unsupported} is set")
 
     num_heads = int(c["num_attention_heads"])
     hidden_size = int(c["hidden_size"])
-    rope_theta, rope_scaling = _rope(c)
+    gemma = model_type == "gemma3_text"
+    rope_theta, rope_scaling, rope_local_theta = _gemma3_rope(c) if gemma else (*_rope(c), None)
+    partial_rotary_factor = 1.0
+    if model_type == "phi3":
+        rope_scaling, partial_rotary_factor = _phi3_rope(c, rope_scaling)
     weight_bytes, file_dtype = _safetensors_bytes(root)
     dtype = c.get("dtype") or c.get("torch_dtype") or file_dtype
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"unsupported dtype in {root}: {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
-    sliding_window = c.get("sliding_window")
-    if model_type == "qwen2" and not c.get("use_sliding_window", False):
+    num_layers = int(c["num_hidden_layers"])
+    sliding_window = c.get("sliding_window", 4096 if gemma else None)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
         sliding_window = None
     return ModelSpec(
         path=str(root),
         architecture=arch,
         model_type=model_type,
-        num_layers=int(c["num_hidden_layers"]),
+        num_layers=num_layers,
         hidden_size=hidden_size,
         intermediate_size=int(c["intermediate_size"]),
         num_heads=num_heads,
         num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
-        head_dim=int(c.get("head_dim") or hidden_size // num_heads),
+        head_dim=int(c.get("head_dim") or (256 if gemma else hidden_size // num_heads)),
         vocab_size=int(c["vocab_size"]),
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        attention_bias=True if model_type == "qwen2" else bool(c.get("attention_bias", False)),
+        attention_bias=family.qkv_bias or bool(c.get("attention_bias", False)),
         sliding_window=int(sliding_window) if sliding_window is not None else None,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),   # Gemma ties unless it says not
         torch_dtype=dtype,
         dtype_bytes=DTYPE_BYTES[dtype],
         eos_token_ids=_token_ids(gen.get("eos_token_id", c.get("eos_token_id"))),
@@ -225,8 +269,30 @@ def _spec_from_config(root: Path, c: dict[str, Any], gen: dict[str, Any]) -> Mod
         weight_bytes=weight_bytes,
         hidden_act=hidden_act,
         mlp_bias=bool(c.get("mlp_bias", False)),
+        layer_types=_layer_types(c, model_type, num_layers, sliding_window),
+        rope_local_theta=rope_local_theta,
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)) if gemma else None,
+        final_logit_softcapping=c.get("final_logit_softcapping"),
+        partial_rotary_factor=partial_rotary_factor,
         moe=_moe(root, model_type, c),
     )
+
+
+def _layer_types(c: dict[str, Any], model_type: str, num_layers: int, window: int | None) -> tuple[str, ...]:
+    """Which layers slide, as transformers decides: the config's `layer_types` when it lists them,
+    else Qwen's `max_window_layers` (layers from there on slide), Gemma 3's `sliding_window_pattern`
+    (every pattern-th layer is global), or every layer sliding where a window is set."""
+    if window is None:
+        return (FULL_ATTENTION,) * num_layers
+    if c.get("layer_types"):
+        return tuple(c["layer_types"])
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(c.get("max_window_layers", 0))
+        return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
+    if model_type == "gemma3_text":
+        pattern = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
+        return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers))
+    return (SLIDING_ATTENTION,) * num_layers
 
 
 def _moe(root: Path, model_type: str, c: dict[str, Any]) -> MoeSpec | None:
@@ -238,6 +304,15 @@ def _moe(root: Path, model_type: str, c: dict[str, Any]) -> MoeSpec | None:
             num_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
             intermediate_size=int(c["intermediate_size"]), norm_topk_prob=True, float32_weights=True,
             sparse_layers=tuple(range(num_layers)), stacked_experts=_stacked_experts(root),
+        )
+    if model_type == "qwen3_moe":
+        num_layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step", 1))
+        dense = set(c.get("mlp_only_layers") or ())
+        return MoeSpec(
+            num_experts=int(c.get("num_experts") or c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+            intermediate_size=int(c["moe_intermediate_size"]), norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            float32_weights=False, stacked_experts=_stacked_experts(root),
+            sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
         )
     return None
 
@@ -253,12 +328,44 @@ def _rope(c: dict[str, Any]) -> tuple[float, dict | None]:
     params = dict(c.get("rope_parameters") or {})
     legacy = dict(c.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
     scaling = params or legacy
     if "type" in scaling and "rope_type" not in scaling:  # older spelling
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, scaling
+
+
+def _gemma3_rope(c: dict[str, Any]) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta): v5 nests `rope_parameters` by layer type; v4 has
+    `rope_theta` / `rope_scaling` for the global layers and `rope_local_base_freq` for the local ones."""
+    params = c.get("rope_parameters") or {}
+    if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
+        theta, scaling = _rope({"rope_parameters": params.get(FULL_ATTENTION) or {"rope_theta": 1e6}})
+        local = params.get(SLIDING_ATTENTION) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"local layers' rope_type {local['rope_type']!r} (only default)")
+        return theta, scaling, float(local.get("rope_theta", 10000.0))
+    theta, scaling = _rope({"rope_theta": 1e6, **c})
+    return theta, scaling, float(c.get("rope_local_base_freq", 10000.0))
+
+
+def _phi3_rope(c: dict[str, Any], scaling: dict | None) -> tuple[dict | None, float]:
+    """Phi-3's longrope (spelled "su" or "yarn" by older checkpoints, as transformers maps them) with the
+    pretraining length from the top-level `original_max_position_embeddings`, which wins, as in
+    transformers; and the partial rotary factor from either place."""
+    factor = float((c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+    if scaling is None:
+        return None, factor
+    scaling = dict(scaling)
+    if scaling["rope_type"] in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling["rope_type"] == "longrope":
+        scaling["original_max_position_embeddings"] = int(c.get(
+            "original_max_position_embeddings",
+            scaling.get("original_max_position_embeddings", c.get("max_position_embeddings", 4096))))
+    return scaling, factor
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -51,10 +51,11 @@ def available() -> bool:
 
 
 def decode_attention(q: torch.Tensor, pool: torch.Tensor, k_offsets: torch.Tensor, ctx_lens: torch.Tensor,
-                     num_kv_heads: int, window: int | None) -> torch.Tensor:
+                     num_kv_heads: int, window: int | None, scale: float | None = None) -> torch.Tensor:
     """q [B, H, D] (one token per sequence), pool [N] flat typed pool, k_offsets [B, NB] int64
-    element offsets of this layer's K of each block, ctx_lens [B] -> [B, H * D]."""
+    element offsets of this layer's K of each block, ctx_lens [B] -> [B, H * D]; scale: softmax
+    scale (None: 1 / sqrt(D))."""
     B, H, D = q.shape
     out = torch.ops.tokenmux.paged_decode_attention(q.contiguous(), pool, k_offsets, ctx_lens, num_kv_heads,
-                                                    window or 0, D ** -0.5)
+                                                    window or 0, D ** -0.5 if scale is None else scale)
     return out.view(B, H * D)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 LOGIT_STD = 5.0
 
@@ -29,6 +29,15 @@ def mixtral_config(**kw) -> MixtralConfig:
     args = _common(intermediate_size=96, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2,
                    architectures=["MixtralForCausalLM"])
     return MixtralConfig(**{**args, **kw})
+
+
+def qwen3_moe_config(**kw) -> Qwen3MoeConfig:
+    """Qwen3-MoE: q/k norms, top-k probabilities NOT renormalised, layer 1 a dense MLP
+    (mlp_only_layers), every other layer sparse."""
+    args = _common(intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=3, num_experts=8,
+                   num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1,
+                   architectures=["Qwen3MoeForCausalLM"])
+    return Qwen3MoeConfig(**{**args, **kw})
 
 
 def save(config, path: Path, seed: int = 7) -> Path:

@@ -279,3 +279,40 @@ def test_a_moe_slot_must_hold_every_expert_not_only_the_active_ones(zoo_model):
                                host_kv_bytes=0))
     fits.register_model("moe", path)
     assert "moe" in fits.models
+
+
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory) -> dict:
+    from family_checkpoints import gemma3, phi3, qwen3
+
+    return {"qwen3": qwen3(tmp_path_factory.mktemp("qwen3"), dtype=torch.bfloat16, max_shard_size="100KB"),
+            "gemma3": gemma3(tmp_path_factory.mktemp("gemma3")),
+            "phi3": phi3(tmp_path_factory.mktemp("phi3"), dtype=torch.float16)}
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_new_families_taking_turns_in_two_slots_equal_hf_generate(family_paths, kernels):
+    """Qwen3 (bf16, sharded), Gemma 3 and Phi-3 (fp16) in one engine with two weight slots and one
+    KV pool (head dims 32, 32, 16; 3, 4 and 2 layers), run in float32 as the oracle loads them:
+    every greedy output equals generate(), on the reference and the fast path. Prompts up to 40
+    tokens plus 12 new pass Gemma's window of 8 and Phi-3's pretraining length of 32."""
+    from actors.kernel_path import KernelPath
+    from transformers import AutoModelForCausalLM
+
+    layouts = [KernelPath(kernels, "cpu").weight_layout(p, torch.float32) for p in family_paths.values()]
+    slot, kv = max(layout.total_bytes for layout in layouts), 16 * MiB
+    engine = Engine(EngineConfig(budget_bytes=kv + 2 * (slot + 4096), kv_bytes=kv, num_slots=2, slab_bytes=256 * 1024,
+                                 host_kv_bytes=16 * MiB, dtype="float32", kernels=kernels))
+    for name, path in family_paths.items():
+        engine.register_model(name, path)
+    reqs = _greedy_requests(list(family_paths), seed=7)[:3 * 8]
+    out = _run(engine, reqs)
+    for name, path in family_paths.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for r in (r for r in reqs if r.model == name):
+            prompt = torch.tensor([r.prompt_token_ids])
+            with torch.inference_mode():
+                ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=MAX_NEW, pad_token_id=2)[0, prompt.shape[1]:].tolist()
+            assert out[r.request_id]["tokens"] == ref, (r.request_id, name, len(r.prompt_token_ids))
+    assert sum(engine.slots.stats()["swaps_per_model"].values()) > 3, "three models took turns in two slots"

@@ -1,8 +1,11 @@
 """The model runner's greedy output equals transformers' `generate` token for token.
 
-Each model runs a mixed batch of prompts (lengths 1..47, many crossing 16-token block
-boundaries) through one prefill forward and then batched decode steps over a paged KV
-pool with scattered, non-consecutive blocks in two slabs. The oracle is HF `generate`
+Zoo models cover Llama, Qwen2 and Mistral; Qwen3, Gemma 3 and Phi-3 are tiny checkpoints
+written by transformers at test time (tests/family_checkpoints.py), one of them bf16 and
+sharded, read back in float32 as the oracle reads it. Each model runs a mixed batch of
+prompts (lengths 1..47, many crossing 16-token block boundaries) through one prefill
+forward and then batched decode steps over a paged KV pool with scattered,
+non-consecutive blocks in two slabs. The oracle is HF `generate`
 (greedy) of the same checkpoint, one prompt at a time.
 """
 from __future__ import annotations
@@ -11,6 +14,7 @@ import random
 
 import pytest
 import torch
+from family_checkpoints import gemma3, phi3, qwen3
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
@@ -29,7 +33,8 @@ class Model:
 
     def __init__(self, path):
         self.spec = ModelSpec.from_dir(path)
-        self.params = load_file(str(path / "model.safetensors"))
+        self.params = {name: t.float() for file in sorted(path.glob("*.safetensors"))   # every shard
+                       for name, t in load_file(str(file)).items()}
         self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.runner = ModelRunner(self.spec, torch.device("cpu"))
         self._refs: dict[tuple[int, ...], list[int]] = {}
@@ -94,7 +99,9 @@ def generate(model: Model, prompts: list[list[int]], split: int | None = None, k
             outputs[i].append(token)
             if token not in eos and len(outputs[i]) < MAX_NEW:
                 next_live.append(i)
-                next_chunks.append(SeqChunk([token], chunk.start_pos + len(chunk.token_ids), chunk.block_ids))
+                start = chunk.start_pos + len(chunk.token_ids)
+                restart = model.runner.recompute_from(start, start + 1)   # longrope crossing its pretraining length
+                next_chunks.append(SeqChunk((prompts[i] + outputs[i])[restart:], restart, chunk.block_ids))
         live, chunks = next_live, next_chunks
     return outputs
 
@@ -123,6 +130,12 @@ CUSTOM = {
     "llama-yarn": lambda: _small(LlamaConfig, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}),
 }
+FAMILIES = {
+    "qwen3": qwen3,
+    "qwen3-bf16-sharded": lambda path: qwen3(path, dtype=torch.bfloat16, max_shard_size="100KB"),
+    "gemma3": gemma3,
+    "phi3": phi3,
+}
 # Sparse MoE checkpoints built here with save_pretrained (tests/moe_checkpoints.py): experts stored
 # one tensor each (as published), and stacked as 3-D tensors; a sliding window on top.
 MOE = {
@@ -131,6 +144,10 @@ MOE = {
         moe_checkpoints.save(moe_checkpoints.mixtral_config(), path / "per-expert"), path / "stacked"),
     "mixtral-window-8": lambda path: moe_checkpoints.save(
         moe_checkpoints.mixtral_config(sliding_window=8, num_hidden_layers=3, num_local_experts=8), path),
+    "qwen3-moe": lambda path: moe_checkpoints.save(moe_checkpoints.qwen3_moe_config(), path),
+    "qwen3-moe-topk-normed-stacked": lambda path: moe_checkpoints.stack_experts(moe_checkpoints.save(
+        moe_checkpoints.qwen3_moe_config(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]),
+        path / "per-expert"), path / "stacked"),
 }
 ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a",
               "mixtral-tiny-a"]
@@ -146,6 +163,8 @@ def models(tmp_path_factory):
                 path = _save(CUSTOM[name](), tmp_path_factory.mktemp(name))
             elif name in MOE:
                 path = MOE[name](tmp_path_factory.mktemp(name))
+            elif name in FAMILIES:
+                path = FAMILIES[name](tmp_path_factory.mktemp(name))
             else:
                 path = ensure_model(name)
             cache[name] = Model(path)
@@ -154,7 +173,7 @@ def models(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(MOE))
+@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(FAMILIES) + list(MOE))
 def test_greedy_batch_equals_hf_generate(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size)
@@ -163,7 +182,7 @@ def test_greedy_batch_equals_hf_generate(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "mixtral-window-8"])
+@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "gemma3", "mixtral-window-8"])
 def test_resume_in_two_chunks_gives_same_tokens(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size, seed=1, min_len=12)
@@ -172,7 +191,7 @@ def test_resume_in_two_chunks_gives_same_tokens(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "mixtral"])
+@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "qwen3", "phi3", "mixtral", "qwen3-moe"])
 def test_prompts_joining_a_running_batch_give_same_tokens(models, name):
     """Continuous batching: prefill chunks share forwards with other sequences' decode steps."""
     model = models(name)

@@ -159,13 +159,59 @@ def test_hub_id_is_refused_with_a_hint(tmp_path, monkeypatch):
     assert "Hugging Face hub id" in message and "offline" in message and "download" in message
 
 
-def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64}
-    root = _write_checkpoint(tmp_path / "gpt2", config, {"w": torch.zeros(2)})
+@pytest.mark.parametrize("arch, model_type", [("GPT2LMHeadModel", "gpt2"), ("FalconForCausalLM", "falcon")])
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path, arch, model_type):
+    config = {"architectures": [arch], "model_type": model_type, "hidden_size": 64}
+    root = _write_checkpoint(tmp_path / model_type, config, {"w": torch.zeros(2)})
     message = _error(root)
-    assert str(root) in message and "GPT2LMHeadModel" in message
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
-        assert arch in message
+    assert str(root) in message and arch in message
+    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                      "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+        assert supported in message
+
+
+def test_new_families_read_as_transformers_reads_them(tmp_path):
+    """Qwen3 bf16 in shards, Gemma 3 and Phi-3 fp16, written by transformers: the fields the
+    runner relies on equal the config transformers builds, EOS ids come from generation_config."""
+    from family_checkpoints import EOS_IDS, gemma3, phi3, qwen3
+
+    q = ModelSpec.from_dir(qwen3(tmp_path / "q", dtype=torch.bfloat16, max_shard_size="100KB"))
+    assert (tmp_path / "q" / "model.safetensors.index.json").is_file()
+    assert (q.torch_dtype, q.head_dim, q.num_kv_heads, q.family.qk_norm) == ("bfloat16", 32, 2, True)
+    assert q.weight_bytes == sum(t.numel() * 2 for f in (tmp_path / "q").glob("*.safetensors")
+                                 for t in load_file(f).values())
+    g_path = gemma3(tmp_path / "g")
+    g, cfg = ModelSpec.from_dir(g_path), AutoConfig.from_pretrained(g_path)
+    assert g.layer_types == tuple(cfg.layer_types) and g.sliding_window == cfg.sliding_window
+    assert g.layer_windows == (8, 8, None, 8)
+    assert g.rope_local_theta == cfg.rope_parameters["sliding_attention"]["rope_theta"]
+    assert g.rope_scaling["rope_type"] == "linear" and g.attention_scale == cfg.query_pre_attn_scalar ** -0.5
+    assert g.final_logit_softcapping == cfg.final_logit_softcapping and g.tie_word_embeddings
+    assert g.hidden_act == "gelu_pytorch_tanh" and g.eos_token_ids == tuple(EOS_IDS)
+    p = ModelSpec.from_dir(phi3(tmp_path / "p", dtype=torch.float16))
+    assert (p.torch_dtype, p.rotary_dim, p.rope_scaling["rope_type"]) == ("float16", 12, "longrope")
+    assert p.rope_scaling["original_max_position_embeddings"] == 32
+
+
+def test_reads_transformers4_style_gemma3_and_phi3_configs(tmp_path):
+    """Published v4-era spellings: Gemma 3's rope_local_base_freq and sliding_window_pattern,
+    Phi-3.5's "su"/longrope rope_scaling with a top-level original_max_position_embeddings."""
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 6,
+            "num_key_value_heads": 1, "vocab_size": 100}
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 16,
+             "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 512,
+             "sliding_window_pattern": 3, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+             "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16}
+    g = ModelSpec.from_dir(_write_checkpoint(tmp_path / "g", gemma, {"w": torch.zeros(2, dtype=torch.bfloat16)}))
+    assert g.layer_windows == (512, 512, None, 512, 512, None)
+    assert (g.rope_theta, g.rope_local_theta, g.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert g.tie_word_embeddings   # Gemma ties unless its config says otherwise
+    phi = {**base, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 131072,
+           "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+           "rope_scaling": {"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}}
+    p = ModelSpec.from_dir(_write_checkpoint(tmp_path / "p", phi, {"w": torch.zeros(2, dtype=torch.bfloat16)}))
+    assert p.rope_scaling["rope_type"] == "longrope" and p.rope_scaling["original_max_position_embeddings"] == 4096
+    assert p.partial_rotary_factor == 0.75 and p.rotary_dim == 12
 
 
 def test_config_without_weights(tmp_path, zoo_dir):
