@@ -105,13 +105,14 @@ def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all
 def moe_paths(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
     per_expert = moe_checkpoints.save(moe_checkpoints.mixtral_config(num_hidden_layers=3), root / "per-expert")
-    return {"per-expert": per_expert, "stacked": moe_checkpoints.stack_experts(per_expert, root / "stacked")}
+    return {"per-expert": per_expert, "stacked": moe_checkpoints.stack_experts(per_expert, root / "stacked"),
+            "qwen3-moe": moe_checkpoints.save(moe_checkpoints.qwen3_moe_config(), root / "qwen3-moe")}
 
 
 # per-expert: each expert's gate/up and down alone, packed (CPU); stacked: every expert in one
 # [E * 2I, hidden] and one [E * hidden, I] tensor (the grouped GEMM's layout, CUDA's)
 @pytest.mark.parametrize("form", ["packed", "stacked"])
-@pytest.mark.parametrize("checkpoint", ["per-expert", "stacked"])
+@pytest.mark.parametrize("checkpoint", ["per-expert", "stacked", "qwen3-moe"])
 def test_moe_fast_path_gives_transformers_greedy_tokens(moe_paths, checkpoint, form, prefix, monkeypatch):
     """The fast MoE layouts, from either way a checkpoint stores experts: greedy output equals
     transformers' generate, token for token."""
