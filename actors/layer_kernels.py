@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from actors import packed_linear, paged_attention_cpu
+from actors import moe, packed_linear, paged_attention_cpu
 from actors.layers import activation, apply_rope, embed, paged_attention, rms_norm, softcap, unit_offset_rms_norm
 from actors.model_spec import ModelSpec
 from actors.weight_layout import PlannedTensor
@@ -61,6 +61,7 @@ class LayerNames:
     k_norm: str | None = None
     attn_out_norm: str | None = None  # norm of the attention output before the residual add (Gemma 3)
     mlp_out_norm: str | None = None   # norm of the MLP output before the residual add (Gemma 3)
+    moe: moe.MoeNames | None = None   # a sparse layer's MoE block (actors/moe.py) in place of gate/up/down
 
 
 def layer_names(spec: ModelSpec, i: int) -> LayerNames:
@@ -88,6 +89,7 @@ def layer_names(spec: ModelSpec, i: int) -> LayerNames:
         k_norm=attn + "k_norm.weight" if family.qk_norm else None,
         attn_out_norm=p + "post_attention_layernorm.weight" if sandwich else None,
         mlp_out_norm=p + "post_feedforward_layernorm.weight" if sandwich else None,
+        moe=moe.moe_names(spec.model_type, spec.moe, i) if spec.moe is not None else None,
     )
 
 
@@ -113,8 +115,11 @@ def fast_plan(spec: ModelSpec, pack: bool) -> tuple[PlannedTensor, ...]:
         plan += [PlannedTensor(norm, (norm,)) for norm in
                  (n.input_norm, n.mlp_norm, n.q_norm, n.k_norm, n.attn_out_norm, n.mlp_out_norm) if norm]
         plan += [PlannedTensor(n.qkv, (n.q, n.k, n.v) if n.q else (n.qkv,), big(((H + 2 * Hkv) * D, hidden))),
-                 PlannedTensor(n.o, (n.o,), big((hidden, H * D))),
-                 PlannedTensor(n.gate_up, (n.gate, n.up) if n.gate else (n.gate_up,), big((2 * I, hidden))),
+                 PlannedTensor(n.o, (n.o,), big((hidden, H * D)))]
+        if n.moe is not None:   # a sparse layer: its experts, packed one by one (CPU) or stacked
+            plan += moe.fast_plan(n.moe, hidden, stack=not pack, big=big)
+            continue
+        plan += [PlannedTensor(n.gate_up, (n.gate, n.up) if n.gate else (n.gate_up,), big((2 * I, hidden))),
                  PlannedTensor(n.down, (n.down,), big((hidden, I)))]
         plan += [PlannedTensor(fused, parts) for fused, parts in
                  ((n.qkv_bias, (n.q_bias, n.k_bias, n.v_bias)), (n.o_bias, (n.o_bias,)),
@@ -213,6 +218,9 @@ class ReferenceKernels(LayerKernels):
         return q, k, v
 
     def mlp(self, p, n, h):
+        if n.moe is not None:   # transformers' grouped experts over the checkpoint's own tensors
+            routing = moe.route(h, p[n.moe.router], self.spec.moe)
+            return moe.grouped_experts(h, routing, lambda e, x: moe.swiglu(x, *n.moe.checkpoint_expert(p, e)))
         if n.gate is None:
             gate, up = F.linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)
         else:
@@ -273,8 +281,30 @@ class FastKernels(LayerKernels):
         return qkv[:, :H * D].view(T, H, D)
 
     def mlp(self, p, n, h):
+        if n.moe is not None:
+            return self.sparse_mlp(p, n.moe, h)
         gate, up = linear(h, p[n.gate_up], _get(p, n.gate_up_bias)).chunk(2, dim=-1)   # [T, I] each
         return linear(self.act(gate).mul_(up), p[n.down], _get(p, n.down_bias))
+
+    def sparse_mlp(self, p, n: moe.MoeNames, h):
+        """The MoE block over the fast layout: torch's grouped GEMM over stacked experts on
+        CUDA, else one fused gate/up and one down per expert that has tokens."""
+        routing = moe.route(h, p[n.router], self.spec.moe)
+        E, I, hidden = n.num_experts, n.intermediate_size, h.shape[1]
+        stacked_gate_up, stacked_down = n.fast_stacked
+        if stacked_gate_up in p:
+            gate_up, down = p[stacked_gate_up].view(E, 2 * I, hidden), p[stacked_down].view(E, hidden, I)
+            if h.device.type == "cuda" and moe.grouped_mm_runs(h, gate_up):
+                return moe.grouped_mm_experts(h, routing, gate_up, down)
+            weights = lambda e: (gate_up[e], down[e])   # noqa: E731
+        else:
+            weights = lambda e: tuple(p[name] for name in n.fast_expert(e))   # noqa: E731
+
+        def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+            gate_up_e, down_e = weights(e)
+            gate, up = linear(x, gate_up_e).chunk(2, dim=-1)   # [n, I] each
+            return linear(F.silu(gate).mul_(up), down_e)
+        return moe.grouped_experts(h, routing, expert)
 
 
 def make_kernels(kind: str, spec: ModelSpec, device: torch.device) -> LayerKernels:

@@ -37,6 +37,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
     Family("mistral", "MistralForCausalLM"),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    Family("mixtral", "MixtralForCausalLM"),                      # Mistral attention + sparse MoE (actors/moe.py)
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True),     # Qwen3 attention + sparse MoE
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, unit_offset_norm=True, embed_scale=True,
            sandwich_norms=True, activations=("gelu_pytorch_tanh",)),
     Family("phi3", "Phi3ForCausalLM", fused_checkpoint=True),

@@ -29,6 +29,32 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """The sparse mixture-of-experts blocks of a checkpoint (actors/moe.py runs them)."""
+
+    num_experts: int
+    top_k: int                        # experts per token
+    intermediate_size: int            # of one expert
+    norm_topk_prob: bool              # the top-k probabilities renormalised to sum to 1 (Mixtral: always)
+    float32_weights: bool             # routing weights kept in float32 (Mixtral) or cast to the model dtype (Qwen3-MoE)
+    sparse_layers: tuple[int, ...]    # layers whose MLP is the sparse block; the others are dense
+    stacked_experts: bool = False     # the checkpoint stores experts as 3-D tensors, not one per expert
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        object.__setattr__(self, "sparse_layers", tuple(sorted(int(i) for i in self.sparse_layers)))
+
+    def expert_params(self, hidden_size: int) -> int:
+        """Weights of one expert (gate, up and down)."""
+        return 3 * hidden_size * self.intermediate_size
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     path: str
     architecture: str                 # e.g. "LlamaForCausalLM"
@@ -61,6 +87,7 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None     # attention scale is this ** -0.5 (Gemma); None: head_dim ** -0.5
     final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
     partial_rotary_factor: float = 1.0             # RoPE turns the first head_dim * this dims of each head
+    moe: MoeSpec | None = None        # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         family = FAMILIES.get(self.model_type)
@@ -103,6 +130,8 @@ class ModelSpec:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if self.moe is not None and not set(self.moe.sparse_layers) <= set(range(self.num_layers)):
+            raise ValueError(f"sparse layers {self.moe.sparse_layers} outside the model's {self.num_layers} layers")
 
     @property
     def name(self) -> str:
@@ -132,6 +161,14 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return self.weight_bytes // self.dtype_bytes
+
+    @property
+    def num_active_params(self) -> int:
+        """Weights one token reads: all of a dense model; a sparse one's unchosen experts left out."""
+        if self.moe is None:
+            return self.num_params
+        idle = self.moe.num_experts - self.moe.top_k
+        return self.num_params - len(self.moe.sparse_layers) * idle * self.moe.expert_params(self.hidden_size)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
@@ -205,7 +242,7 @@ def _spec_from_config(root: Path, c: dict[str, Any], gen: dict[str, Any]) -> Mod
         raise CheckpointError(f"unsupported dtype in {root}: {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
     num_layers = int(c["num_hidden_layers"])
     sliding_window = c.get("sliding_window", 4096 if gemma else None)
-    if model_type in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
         sliding_window = None
     return ModelSpec(
         path=str(root),
@@ -237,6 +274,7 @@ def _spec_from_config(root: Path, c: dict[str, Any], gen: dict[str, Any]) -> Mod
         query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)) if gemma else None,
         final_logit_softcapping=c.get("final_logit_softcapping"),
         partial_rotary_factor=partial_rotary_factor,
+        moe=_moe(root, model_type, c),
     )
 
 
@@ -248,13 +286,41 @@ def _layer_types(c: dict[str, Any], model_type: str, num_layers: int, window: in
         return (FULL_ATTENTION,) * num_layers
     if c.get("layer_types"):
         return tuple(c["layer_types"])
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(c.get("max_window_layers", 0))
         return tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))
     if model_type == "gemma3_text":
         pattern = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
         return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers))
     return (SLIDING_ATTENTION,) * num_layers
+
+
+def _moe(root: Path, model_type: str, c: dict[str, Any]) -> MoeSpec | None:
+    """The sparse blocks of a MoE config (Mixtral: every layer; Qwen3-MoE: every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`), None for a dense model."""
+    if model_type == "mixtral":
+        num_layers = int(c["num_hidden_layers"])
+        return MoeSpec(
+            num_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+            intermediate_size=int(c["intermediate_size"]), norm_topk_prob=True, float32_weights=True,
+            sparse_layers=tuple(range(num_layers)), stacked_experts=_stacked_experts(root),
+        )
+    if model_type == "qwen3_moe":
+        num_layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step", 1))
+        dense = set(c.get("mlp_only_layers") or ())
+        return MoeSpec(
+            num_experts=int(c.get("num_experts") or c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+            intermediate_size=int(c["moe_intermediate_size"]), norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            float32_weights=False, stacked_experts=_stacked_experts(root),
+            sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        )
+    return None
+
+
+def _stacked_experts(root: Path) -> bool:
+    """Whether the checkpoint stores its experts as 3-D tensors (`...experts.gate_up_proj`)."""
+    return any(name.endswith(".experts.gate_up_proj")
+               for file in _safetensors_files(root) for name in read_safetensors_header(file))
 
 
 def _rope(c: dict[str, Any]) -> tuple[float, dict | None]:

@@ -11,12 +11,15 @@ is dropped (the runner uses `model.embed_tokens.weight` for both).
 
 The runner's fast path asks for a different set of tensors (a plan: q/k/v and gate/up
 fused, large linear weights packed for oneDNN); the layout then holds THOSE bytes, the
-host cache builds them once when it fills, and a swap-in is still one bulk copy.
+host cache builds them once when it fills, and a swap-in is still one bulk copy. A plan
+may name one row of a stacked tensor as `name[i]` (one expert of a MoE checkpoint that
+stores its experts as [E, ...] tensors): its bytes are a slice of the file like any other.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +119,21 @@ class WeightLayout:
         if plan is None:
             plan = tuple(PlannedTensor(name, (name,)) for name in tensors
                          if not (name == "lm_head.weight" and _tie_word_embeddings(root)))
-        order = {name: i for i, name in enumerate(tensors)}
+        files = {file: i for i, file in enumerate(dict.fromkeys(s.file for s in tensors.values()))}
+        resolved = {}
         for t in plan:
-            missing = [s for s in t.sources if s not in tensors]
-            if missing:
-                raise CheckpointError(f"bad model checkpoint: {root} (no tensor {missing[0]})")
+            for name in t.sources:
+                resolved[name] = _source(tensors, name)
+                if resolved[name] is None:
+                    raise CheckpointError(f"bad model checkpoint: {root} (no tensor {name})")
+
+        def file_order(t: PlannedTensor) -> tuple[int, int]:   # the cold fill reads files front to back
+            first = resolved[t.sources[0]]
+            return files[first.file], first.file_offset
+
         entries, offset = [], 0
-        for t in sorted(plan, key=lambda t: order[t.sources[0]]):   # the cold fill reads files front to back
-            sources = tuple(tensors[s] for s in t.sources)
+        for t in sorted(plan, key=file_order):
+            sources = tuple(resolved[s] for s in t.sources)
             entry = _entry(root, t, sources, offset, dtype)
             entries.append(entry)
             offset = align_up(offset + entry.nbytes)
@@ -161,6 +171,22 @@ def _checkpoint_tensors(root: Path) -> dict[str, TensorSource]:
                 raise CheckpointError(f"bad model checkpoint: {file} ({name} size does not match its shape)")
             tensors[name] = TensorSource(name, str(file), data_start + begin, file_dtype, shape)
     return tensors
+
+
+def _source(tensors: dict[str, TensorSource], name: str) -> TensorSource | None:
+    """The checkpoint tensor `name`, or row i of a stacked one for `name[i]`; None if neither."""
+    if name in tensors:
+        return tensors[name]
+    match = _ROW.fullmatch(name)
+    stacked = tensors.get(match[1]) if match else None
+    if stacked is None or len(stacked.shape) < 2 or int(match[2]) >= stacked.shape[0]:
+        return None
+    row_bytes = numel(stacked.shape[1:]) * stacked.file_dtype.itemsize
+    return TensorSource(name, stacked.file, stacked.file_offset + int(match[2]) * row_bytes, stacked.file_dtype,
+                        stacked.shape[1:])
+
+
+_ROW = re.compile(r"(.+)\[(\d+)\]")
 
 
 def _entry(root: Path, t: PlannedTensor, sources: tuple[TensorSource, ...], offset: int,

@@ -247,6 +247,40 @@ def test_unregister_waits_for_live_requests_and_reregister_is_idempotent(zoo_mod
     assert model not in engine.models
 
 
+def test_four_models_with_a_moe_among_them_switched_token_by_token_stay_exact(zoo_model):
+    """A burst over a sparse MoE and three dense models, two slots, token-level switching:
+    every request's greedy output equals generate()."""
+    models = ["mixtral-tiny-a", "llama-tiny-b", "qwen2-tiny-a", "mistral-tiny-a"]
+    paths = {m: zoo_model(m) for m in models}
+    engine = _engine(paths, num_slots=2, policy="token")
+    reqs = _greedy_requests(models, seed=11)[: 4 * 5]
+    out = _run(engine, reqs)
+    for r in reqs:
+        assert out[r.request_id]["tokens"] == hf_greedy(paths[r.model], list(r.prompt_token_ids), MAX_NEW), \
+            (r.request_id, r.model)
+    assert engine.slots.stats()["swaps_per_model"]["mixtral-tiny-a"] >= 2, "the MoE was swapped out and back in"
+
+
+def test_a_moe_slot_must_hold_every_expert_not_only_the_active_ones(zoo_model):
+    from actors.model_spec import ModelSpec
+
+    path = zoo_model("mixtral-tiny-a")
+    spec = ModelSpec.from_dir(path)
+    full = WeightLayout.from_dir(path).total_bytes
+    active = spec.num_active_params * spec.dtype_bytes
+    # 2 of 4 experts per token: each of the 2 layers leaves 2 experts (gate, up, down) unread
+    assert spec.weight_bytes - active == 2 * 2 * 3 * spec.hidden_size * spec.moe.intermediate_size * 4
+    kv = 16 * MiB
+    small = Engine(EngineConfig(budget_bytes=kv + active + 8192, kv_bytes=kv, num_slots=1, slab_bytes=256 * 1024,
+                                host_kv_bytes=0))
+    with pytest.raises(ValueError, match=r"needs .*MB of weights but a slot holds"):
+        small.register_model("moe", path)
+    fits = Engine(EngineConfig(budget_bytes=kv + full + 8192, kv_bytes=kv, num_slots=1, slab_bytes=256 * 1024,
+                               host_kv_bytes=0))
+    fits.register_model("moe", path)
+    assert "moe" in fits.models
+
+
 @pytest.fixture(scope="module")
 def family_paths(tmp_path_factory) -> dict:
     from family_checkpoints import gemma3, phi3, qwen3

@@ -29,6 +29,7 @@ from actors.model_spec import ModelSpec
 from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from actors.zoo.zoo import TINY_MODELS, ensure_model
+from tests import moe_checkpoints
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -39,9 +40,10 @@ PROMPT_LENGTHS = [1, 5, 16, 17, 31, 40]
 MODELS = list(TINY_MODELS) + ["llama-10m"] + list(FAMILIES)   # every family; llama-10m packs by default
 
 
-def _params(path: Path, kernels: str, prefix: str) -> tuple[ModelSpec, dict, WeightSlots]:
+def _params(path: Path, kernels: str, prefix: str, layout: WeightLayout | None = None
+            ) -> tuple[ModelSpec, dict, WeightSlots]:
     spec = ModelSpec.from_dir(path)
-    layout = KernelPath(kernels, "cpu").weight_layout(path, torch.float32)
+    layout = layout or KernelPath(kernels, "cpu").weight_layout(path, torch.float32)
     mem = DeviceMemory(4096 + layout.total_bytes + 4096, 4096, 1)
     slots = WeightSlots(mem, HostWeightCache(prefix=prefix), {"m": layout})
     slots.ensure_resident("m")
@@ -100,6 +102,42 @@ def test_fast_path_matches_the_reference_within_kernel_tolerances(name, pack_all
                 margin = float(top2[0] - top2[1]) / float(ref_logits[step][b].abs().max())
                 assert margin < TIE_MARGIN, f"{name} seq {b} step {step}: diverged with margin {margin:.2e}"
                 break
+
+
+@pytest.fixture(scope="module")
+def moe_paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    per_expert = moe_checkpoints.save(moe_checkpoints.mixtral_config(num_hidden_layers=3), root / "per-expert")
+    return {"per-expert": per_expert, "stacked": moe_checkpoints.stack_experts(per_expert, root / "stacked"),
+            "qwen3-moe": moe_checkpoints.save(moe_checkpoints.qwen3_moe_config(), root / "qwen3-moe")}
+
+
+# per-expert: each expert's gate/up and down alone, packed (CPU); stacked: every expert in one
+# [E * 2I, hidden] and one [E * hidden, I] tensor (the grouped GEMM's layout, CUDA's)
+@pytest.mark.parametrize("form", ["packed", "stacked"])
+@pytest.mark.parametrize("checkpoint", ["per-expert", "stacked", "qwen3-moe"])
+def test_moe_fast_path_gives_transformers_greedy_tokens(moe_paths, checkpoint, form, prefix, monkeypatch):
+    """The fast MoE layouts, from either way a checkpoint stores experts: greedy output equals
+    transformers' generate, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(layer_kernels, "PACK_MIN_ELEMENTS", 0)
+    path = moe_paths[checkpoint]
+    spec = ModelSpec.from_dir(path)
+    layout = WeightLayout.from_dir(path, dtype=torch.float32, plan=layer_kernels.fast_plan(
+        spec, pack=form == "packed" and KernelPath("fast", "cpu").packs(torch.float32)))
+    stacked_name = layer_kernels.layer_names(spec, 0).moe.fast_stacked[0]
+    assert (stacked_name in layout.names()) == (form == "stacked" or not packed_linear.available())
+    _, params, _ = _params(path, "fast", prefix, layout)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(8, spec.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    _, tokens, _ = _greedy(ModelRunner(spec, "cpu", kernels="fast"), params, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for b, prompt in enumerate(prompts):
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=STEPS, do_sample=False, pad_token_id=spec.eos_token_ids[0])[0, len(prompt):]
+        got = [step[b] for step in tokens][:len(want)]
+        assert got == want.tolist(), f"{checkpoint} / {form}: prompt of {len(prompt)} tokens"
 
 
 # (96, 80): the blocked layout where the C++ kernels build; (100, 80): 100 output

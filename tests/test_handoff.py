@@ -340,3 +340,25 @@ def test_new_families_decode_after_a_handoff_as_on_one_worker(tmp_path, family):
     finally:
         src_t.close()
         dst_t.close()
+
+
+def test_a_moe_model_handed_off_decodes_what_generate_decodes(zoo_model):
+    """A sparse MoE (mixtral-tiny-a) served under the same name: prefill on one engine, KV over
+    shared memory, decode on another; the tokens are transformers' greedy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    moe_path = zoo_model("mixtral-tiny-a")
+    (src, dst), transfers = _ends(lambda buf: _engine(moe_path, buf), lambda: _engine(moe_path), shared=True)
+    try:
+        first, (state, desc) = _prefill(src, src.engine, steps=2)
+        assert dst.adopt(state, desc) is True
+        src.end_export("r", handed_off=True)
+        got = first + _run(dst.engine)["r"]
+    finally:
+        for t in transfers:
+            t.close()
+    hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                       max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)[0, len(PROMPT):].tolist()
+    assert got[:len(want)] == want   # generate() stops at an EOS, the request (ignore_eos) goes on

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.zoo.zoo import ensure_model
+from tests import moe_checkpoints
 
 BLOCK = 16
 MAX_NEW = 10
@@ -135,7 +136,21 @@ FAMILIES = {
     "gemma3": gemma3,
     "phi3": phi3,
 }
-ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a"]
+# Sparse MoE checkpoints built here with save_pretrained (tests/moe_checkpoints.py): experts stored
+# one tensor each (as published), and stacked as 3-D tensors; a sliding window on top.
+MOE = {
+    "mixtral": lambda path: moe_checkpoints.save(moe_checkpoints.mixtral_config(), path),
+    "mixtral-stacked": lambda path: moe_checkpoints.stack_experts(
+        moe_checkpoints.save(moe_checkpoints.mixtral_config(), path / "per-expert"), path / "stacked"),
+    "mixtral-window-8": lambda path: moe_checkpoints.save(
+        moe_checkpoints.mixtral_config(sliding_window=8, num_hidden_layers=3, num_local_experts=8), path),
+    "qwen3-moe": lambda path: moe_checkpoints.save(moe_checkpoints.qwen3_moe_config(), path),
+    "qwen3-moe-topk-normed-stacked": lambda path: moe_checkpoints.stack_experts(moe_checkpoints.save(
+        moe_checkpoints.qwen3_moe_config(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]),
+        path / "per-expert"), path / "stacked"),
+}
+ZOO_MODELS = ["llama-tiny-a", "llama-tiny-b", "llama-tiny-c", "qwen2-tiny-a", "qwen2-tiny-b", "mistral-tiny-a",
+              "mixtral-tiny-a"]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +161,8 @@ def models(tmp_path_factory):
         if name not in cache:
             if name in CUSTOM:
                 path = _save(CUSTOM[name](), tmp_path_factory.mktemp(name))
+            elif name in MOE:
+                path = MOE[name](tmp_path_factory.mktemp(name))
             elif name in FAMILIES:
                 path = FAMILIES[name](tmp_path_factory.mktemp(name))
             else:
@@ -156,7 +173,7 @@ def models(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(FAMILIES))
+@pytest.mark.parametrize("name", ZOO_MODELS + list(CUSTOM) + list(FAMILIES) + list(MOE))
 def test_greedy_batch_equals_hf_generate(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size)
@@ -165,7 +182,7 @@ def test_greedy_batch_equals_hf_generate(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "gemma3"])
+@pytest.mark.parametrize("name", ["llama-tiny-b", "qwen2-tiny-a", "mistral-window-8", "gemma3", "mixtral-window-8"])
 def test_resume_in_two_chunks_gives_same_tokens(models, name):
     model = models(name)
     prompts = make_prompts(model.spec.vocab_size, seed=1, min_len=12)
@@ -174,7 +191,7 @@ def test_resume_in_two_chunks_gives_same_tokens(models, name):
         assert out == model.reference(prompt), f"{name}: prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["llama-tiny-c", "mistral-window-8", "qwen3", "phi3", "mixtral", "qwen3-moe"])
 def test_prompts_joining_a_running_batch_give_same_tokens(models, name):
     """Continuous batching: prefill chunks share forwards with other sequences' decode steps."""
     model = models(name)

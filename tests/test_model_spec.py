@@ -245,3 +245,21 @@ def test_spec_rejects_inconsistent_head_counts(zoo_dir):
         replace(spec, num_kv_heads=3)
     with pytest.raises(ValueError, match="unsupported architecture"):
         replace(spec, architecture="GPT2LMHeadModel")
+
+
+def test_moe_specs_follow_the_config_and_count_every_expert(tmp_path):
+    """Mixtral: every layer sparse, top-k renormalised; Qwen3-MoE: mlp_only_layers dense, its own
+    norm_topk_prob; weight_bytes counts every expert, num_active_params only the chosen ones."""
+    from tests import moe_checkpoints
+
+    mixtral = ModelSpec.from_dir(moe_checkpoints.save(moe_checkpoints.mixtral_config(), tmp_path / "mixtral"))
+    assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.sparse_layers) == (6, 2, (0, 1))
+    assert mixtral.moe.norm_topk_prob and not mixtral.moe.stacked_experts
+    qwen = ModelSpec.from_dir(moe_checkpoints.save(moe_checkpoints.qwen3_moe_config(), tmp_path / "qwen3-moe"))
+    assert qwen.moe.sparse_layers == (0, 2) and not qwen.moe.norm_topk_prob and qwen.moe.intermediate_size == 48
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3-moe")
+    assert qwen.num_params == model.num_parameters()
+    idle = 2 * (8 - 2) * 3 * 64 * 48   # 2 sparse layers x 6 unchosen experts x (gate, up, down)
+    assert qwen.num_params - qwen.num_active_params == idle
+    stacked = ModelSpec.from_dir(moe_checkpoints.stack_experts(tmp_path / "qwen3-moe", tmp_path / "stacked"))
+    assert stacked.moe.stacked_experts and stacked.weight_bytes == qwen.weight_bytes

@@ -126,3 +126,22 @@ def test_the_spec_follows_the_flags():
     assert spec.fleet("token", 2).scheduler.slo_measure == "per_token"   # strict, the default
     assert replace(spec, metric="cumulative").fleet("token", 2).scheduler.slo_measure == "per_token"
     assert replace(spec, metric="goodput").fleet("token", 2).scheduler.slo_measure == "mean_tpot"
+
+
+def test_a_moe_type_steps_by_its_active_parameters_and_swaps_all_its_weights():
+    """Qwen3-30B-A3B beside the measured Qwen2.5-7B on an H100: a decode step costs less (3.3B
+    parameters read against 7.6B) while a switch copies four times the bytes (every expert)."""
+    from cluster.planner.marketplace import MODEL_TYPES, Marketplace, parse_mix
+
+    market = Marketplace.build(["moe", "dense"], parse_mix("qwen3-30b-a3b:1,qwen2.5-7b:1"), "H100")
+    assert market.types["moe"].name == "qwen3-30b-a3b"
+    moe, dense = market.fits["moe"], market.fits["dense"]
+    assert "scaled" in moe.source   # derived from the dense profile, and says so
+    for batch in (1, 4):   # small batches: the weights read dominate
+        assert moe.decode_s(batch, batch * 512) < dense.decode_s(batch, batch * 512)
+    # the attention term follows the KV per token, which is larger (48 layers against 28)
+    assert moe.decode_coef[2] / dense.decode_coef[2] == pytest.approx(48 / 28)
+    assert moe.prefill_prompts_s([1024]) < dense.prefill_prompts_s([1024])
+    moe_type, dense_type = MODEL_TYPES["qwen3-30b-a3b"], MODEL_TYPES["qwen2.5-7b"]
+    assert moe_type.weight_bytes > 3 * dense_type.weight_bytes > 3 * moe_type.step_bytes
+    assert market.largest_weight_bytes() == moe_type.weight_bytes   # slots are sized for every expert

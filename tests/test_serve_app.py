@@ -15,7 +15,7 @@ import pytest
 from tests.net import free_port
 
 APP = "tokenmux"
-MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b"}
+MODELS = {"llama-a": "zoo:llama-tiny-a", "qwen-b": "zoo:qwen2-tiny-b", "moe-c": "zoo:mixtral-tiny-a"}
 MiB = 1 << 20
 ARGS = {"models": MODELS, "devices_per_node": 2, "threads_per_worker": 1, "budget_bytes": 64 * MiB,
         "kv_fraction": 0.25, "host_kv_gb": 0.01, "num_slots": 2, "max_tokens_cap": 2000}
@@ -68,7 +68,7 @@ def test_a_fresh_server_serves_an_ordinary_burst_without_a_429(url):
 
     done = asyncio.run(burst())
     assert refused == []
-    assert [c.usage.completion_tokens for c in done] == [8] * 24
+    assert [c.usage.completion_tokens for c in done] == [8] * 12 * len(MODELS)
     assert all(c.choices[0].finish_reason == "length" and c.choices[0].text for c in done)
 
 
@@ -80,7 +80,25 @@ def test_models_and_a_completion_over_http(url):
     out = resp.json()
     assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
     assert out["choices"][0]["text"]
-    assert httpx.get(f"{url}/health", timeout=10).json()["num_models"] == 2
+    assert httpx.get(f"{url}/health", timeout=10).json()["num_models"] == len(MODELS)
+
+
+def test_a_moe_model_over_http_writes_transformers_greedy_text(url):
+    """The sparse MoE among the served models: its greedy completion is generate()'s."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.zoo.zoo import ensure_model
+
+    path = ensure_model("mixtral-tiny-a")
+    resp = httpx.post(f"{url}/v1/completions", json=_body("moe-c", max_tokens=10), timeout=60)
+    assert resp.status_code == 200, resp.text
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                       pad_token_id=2)[0, ids.shape[1]:]
+    assert resp.json()["choices"][0]["text"].startswith(tokenizer.decode(want, skip_special_tokens=True))
 
 
 def test_streamed_chat_over_http(url):

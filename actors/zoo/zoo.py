@@ -5,9 +5,9 @@ ordinary checkpoint directory (config.json, generation_config.json, model.safete
 tokenizer.json, tokenizer_config.json with a ChatML chat template) that
 `AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)`
 load with HF_HUB_OFFLINE=1. The weights are random (seeded) and float32, so the models
-speak nonsense, but every code path of a real Llama / Qwen2 / Mistral checkpoint is
-exercised: GQA and MQA, head_dim != hidden/heads, q/k/v bias, tied embeddings, RoPE
-scaling, several EOS ids.
+speak nonsense, but every code path of a real Llama / Qwen2 / Mistral / Mixtral checkpoint
+is exercised: GQA and MQA, head_dim != hidden/heads, q/k/v bias, tied embeddings, RoPE
+scaling, several EOS ids, sparse mixture-of-experts layers.
 
 The tokenizer is a byte-level BPE trained here, in well under a second, on
 actors/zoo/zoo_corpus.txt (text written for tokenmux) and shared by all zoo models.
@@ -51,13 +51,14 @@ CHAT_TEMPLATE = (
 )
 MARKER = ".tokenmux-zoo.json"
 ZOO_FORMAT = 2  # bump when the build changes in a way recipes do not show
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
-    arch: str                       # "llama" | "qwen2" | "mistral"
+    arch: str                       # "llama" | "qwen2" | "mistral" | "mixtral"
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -79,6 +80,8 @@ class Recipe:
     default: bool = True            # built by `build_zoo()` without names
     # None: random weights (speak noise). A Training: trained on the corpus (actors/zoo/zoo_training.py).
     training: Training | None = None
+    # A sparse MoE (mixtral): (experts, experts per token); intermediate_size is one expert's.
+    experts: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHITECTURES:
@@ -87,6 +90,8 @@ class Recipe:
             raise ValueError(f"recipe {self.name}: num_heads must be a multiple of num_kv_heads")
         if self.attention_bias and self.arch != "llama":
             raise ValueError(f"recipe {self.name}: attention_bias is only configurable for llama")
+        if (self.arch == "mixtral") != (self.experts is not None):
+            raise ValueError(f"recipe {self.name}: experts go with arch mixtral, and only with it")
 
     @property
     def num_params(self) -> int:
@@ -94,14 +99,17 @@ class Recipe:
         bias = q + 2 * kv if self.arch == "qwen2" else (q + 2 * kv + h if self.attention_bias else 0)
         attention = h * q + 2 * h * kv + q * h + bias
         mlp = 3 * h * self.intermediate_size
+        if self.experts is not None:   # every expert's MLP and the router
+            mlp = self.experts[0] * mlp + self.experts[0] * h
         layer = attention + mlp + 2 * h  # two RMSNorm weights
         embeddings = VOCAB_SIZE * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embeddings + h  # + final norm
 
     def fingerprint(self) -> str:
         recipe = asdict(self)
-        if recipe["training"] is None:   # untrained recipes keep the fingerprints their caches were built with
-            del recipe["training"]
+        for key in ("training", "experts"):   # recipes without them keep the fingerprints their caches were built with
+            if recipe[key] is None:
+                del recipe[key]
         data = json.dumps({"recipe": recipe, "format": ZOO_FORMAT, "corpus": _corpus_digest()}, sort_keys=True)
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
@@ -144,6 +152,9 @@ ZOO: dict[str, Recipe] = _recipes(
     Recipe("qwen2-prose", "qwen2", num_layers=4, hidden_size=192, num_heads=6, num_kv_heads=3,
            head_dim=32, intermediate_size=448, seed=602, initializer_range=0.02, tie_word_embeddings=True,
            training=Training(seed=2)),
+    # A sparse MoE: 4 experts of which each token runs 2 (the other MoE family, Qwen3-MoE, is in the tests).
+    Recipe("mixtral-tiny-a", "mixtral", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+           head_dim=32, intermediate_size=192, seed=701, experts=(4, 2)),
 )
 TINY_MODELS = tuple(name for name in ZOO if "-tiny-" in name)
 
@@ -288,8 +299,10 @@ def _hf_config(r: Recipe):
     )
     if r.arch == "llama":
         kwargs["attention_bias"] = r.attention_bias
-    if r.arch == "mistral":
+    if r.arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = r.sliding_window
+    if r.experts is not None:
+        kwargs.update(num_local_experts=r.experts[0], num_experts_per_tok=r.experts[1])
     if r.arch == "qwen2" and r.sliding_window is not None:
         kwargs.update(use_sliding_window=True, sliding_window=r.sliding_window, max_window_layers=0)
     return AutoConfig.for_model(r.arch, **kwargs)

@@ -73,6 +73,14 @@ class StepCostFit:
         a, b, c = self.decode_coef
         return max(1e-6, a + b * batch_size * _DECODE_SCALE[1] + c * num_context_tokens * _DECODE_SCALE[2])
 
+    def scaled(self, weights: float, kv: float) -> "StepCostFit":
+        """This fit for a model that reads `weights` times the weights a step (its active
+        parameters) and `kv` times the KV per context token: the fixed and per-token terms
+        follow the weights, the attention terms the KV. Derived, not measured."""
+        (pa, pb, pc), (da, db, dc) = self.prefill_coef, self.decode_coef
+        return StepCostFit((pa * weights, pb * weights, pc * kv), (da * weights, db * weights, dc * kv),
+                           self.num_points, f"{self.source} (scaled: weights x{weights:.3f}, KV x{kv:.3f})")
+
 
 def read_profile(profile_dir: str | Path) -> list[ProfilePoint]:
     """Every iNbB.json of a directory, as points; ValueError names the file that is wrong."""

@@ -8,6 +8,10 @@ llama2-13b; sizes from their configs, bf16); a directory written by `tokenmux pr
 (iNbB.json files + model.json) is a type too, with its costs on the machine it was
 profiled on.
 
+A sparse MoE type has no profile of its own here: it is derived from a measured dense one
+(`derived_from`), its step costs scaled by its ACTIVE parameters (what one token reads)
+and its KV, while a switch still copies ALL its weights (`weight_bytes`, every expert).
+
 `Marketplace.build(names, mix, device, profiles)` gives each served model a type:
 interleaved by popularity rank so that every part of the popularity curve gets the mix
 (rank i takes the type whose share so far lags its target most).
@@ -36,10 +40,31 @@ class ModelType:
     weight_bytes: int
     kv_shape: KVShape
     max_context: int       # prompt + output tokens it accepts
+    # A sparse MoE: the bytes one token's step reads (its active parameters), and the measured
+    # dense type its step costs are scaled from. None: dense, its own profile.
+    active_bytes: int | None = None
+    derived_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight_bytes <= 0 or self.max_context < 1:
             raise ValueError(f"model type {self.name!r}: weight_bytes and max_context must be > 0")
+        if (self.active_bytes is None) != (self.derived_from is None):
+            raise ValueError(f"model type {self.name!r}: a MoE type needs both active_bytes and derived_from")
+        if self.active_bytes is not None and not 0 < self.active_bytes <= self.weight_bytes:
+            raise ValueError(f"model type {self.name!r}: active_bytes must be in (0, weight_bytes]")
+
+    @property
+    def step_bytes(self) -> int:
+        """Weight bytes one step reads: all of a dense model's, a MoE's active ones."""
+        return self.weight_bytes if self.active_bytes is None else self.active_bytes
+
+    def fit(self, profiles_root: str | Path, device: str) -> StepCostFit:
+        """Step costs on `device`: measured, or for a MoE scaled from its dense base type's."""
+        if self.derived_from is None:
+            return fit_profile(self.profile_dir(profiles_root, device))
+        base = MODEL_TYPES[self.derived_from]
+        return base.fit(profiles_root, device).scaled(self.step_bytes / base.step_bytes,
+                                                      self.kv_bytes_per_token / base.kv_bytes_per_token)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -68,8 +93,11 @@ class ModelType:
 
     def to_dict(self) -> dict:
         s = self.kv_shape
-        return {"name": self.name, "weight_bytes": self.weight_bytes, "max_context": self.max_context,
-                "kv_shape": [s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes], "profile": self.profile}
+        out = {"name": self.name, "weight_bytes": self.weight_bytes, "max_context": self.max_context,
+               "kv_shape": [s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes], "profile": self.profile}
+        if self.derived_from is not None:
+            out.update(active_bytes=self.active_bytes, derived_from=self.derived_from)
+        return out
 
 
 # Parameters x 2 bytes (bf16); KV: layers, KV heads, head dim (qwen2.5-7b and yi-9b use
@@ -81,6 +109,14 @@ MODEL_TYPES: dict[str, ModelType] = {
     "yi-1.5-9b-chat": ModelType("yi-1.5-9b-chat", "yi1_5_9b_chat", 8_829_407_232 * 2, KVShape(48, 4, 128, 2), 4096),
     "llama2-13b-chat": ModelType("llama2-13b-chat", "llama2_13b_chat", 13_015_864_320 * 2,
                                  KVShape(40, 40, 128, 2), 4096),
+    # Sparse MoE, DERIVED (no measured profile): steps scaled from a dense type by active
+    # parameters and KV; switches copy every expert. Sizes from the published configs:
+    # Qwen3-30B-A3B 30.5B parameters, 3.3B active (128 experts, 8 per token), 48 layers, 4 KV
+    # heads; Mixtral-8x7B 46.7B, 12.9B active (8 experts, 2 per token), 32 layers, 8 KV heads.
+    "qwen3-30b-a3b": ModelType("qwen3-30b-a3b", "qwen2_5_7b", 30_532_122_624 * 2, KVShape(48, 4, 128, 2), 32768,
+                               active_bytes=3_300_000_000 * 2, derived_from="qwen2.5-7b"),
+    "mixtral-8x7b": ModelType("mixtral-8x7b", "llama2_13b", 46_702_792_704 * 2, KVShape(32, 8, 128, 2), 32768,
+                              active_bytes=12_900_000_000 * 2, derived_from="llama2-13b"),
 }
 
 
@@ -136,7 +172,7 @@ class Marketplace:
     def build(cls, models: Sequence[str], mix: Sequence[tuple[ModelType, float]], device: str,
               profiles_root: str | Path = PROFILES_DIR) -> "Marketplace":
         types = assign_types(models, mix)
-        by_type = {t.name: fit_profile(t.profile_dir(profiles_root, device)) for t, _ in mix}
+        by_type = {t.name: t.fit(profiles_root, device) for t, _ in mix}
         return cls(types, {m: by_type[t.name] for m, t in types.items()})
 
     @property
