@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler import deadlines
+import scheduler.deadlines as deadlines
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR

@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from scheduler import deadlines
+import scheduler.deadlines as deadlines
 from scheduler.batch_loads import BatchLoads
 from scheduler.policy import SchedulerOutput, SchedulingPolicy
 from scheduler.prefill_budget import PrefillBudget
