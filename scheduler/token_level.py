@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import scheduler.deadlines as deadlines
 from scheduler.batch_loads import BatchLoads
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulingPolicy
 from scheduler.prefill_budget import PrefillBudget
 from scheduler.request import Request
 from scheduler.round_planner import RoundPlanner
+from scheduler.scheduler_output import SchedulerOutput, StepResult
 from scheduler.smooth_streams import SmoothStreams, WholeTurns
 from scheduler.step_overhead import StepOverhead
 
@@ -102,14 +103,14 @@ class TokenLevelPolicy(SchedulingPolicy):
             self.overhead.scheduled(now, not output.is_prefill, output.num_steps)
         return output
 
-    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None, observe=True):
-        spent = step_time_s + switch_time_s
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        spent = result.step_time_s + result.switch_time_s
         self.overhead.stepped(spent)
         if output.is_prefill:
             self.prefill.spend(spent)
         elif output.requests:
             self.prefill.earn(spent)
-        finished = super().update(output, sampled, now, step_time_s, switch_time_s, copy_time_s, observe)
+        finished = super().update(output, result)
         if not self.requests:  # the device goes idle: the next gap is not a step's overhead
             self.overhead.idle()
         return finished
