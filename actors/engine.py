@@ -38,9 +38,10 @@ from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
 from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, HandoffState, OutputFrame,
                                 RegisteredModel, StepRecord)
-from scheduler.policy import SchedulerConfig, SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulerConfig, SchedulingPolicy
 from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.scheduler_output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +261,8 @@ class Engine:
             if failed:   # requests that failed alone end here; the step goes on
                 frames += self._fail(failed)
             first = steps == 1
-            finished = self.policy.update(output, sampled, self.clock(), step_s, switch_s if first else 0.0,
-                                          copy_s, observe=single)
+            finished = self.policy.update(output, StepResult(sampled, self.clock(), step_s,
+                                                             switch_s if first else 0.0, copy_s, observe=single))
             if finished or failed or steps >= output.num_steps:
                 break
         if not single:   # one observation of a run: its mean step (the first after a switch runs on cold caches)
@@ -292,12 +293,12 @@ class Engine:
         switch_s = self.slots.ensure_resident(output.model)
         if output.prefetch_model and output.prefetch_model != output.model and output.prefetch_model in self.models:
             self.slots.prefetch(output.prefetch_model)
-        for request_id, device_ids, host_ids in output.swap_out:
-            view, host_view = self._kv_views(request_id)
-            copy_blocks(view, device_ids, host_view, host_ids)
-        for request_id, host_ids, device_ids in output.swap_in:
-            view, host_view = self._kv_views(request_id)
-            copy_blocks(host_view, host_ids, view, device_ids)
+        for copy in output.swap_out:
+            view, host_view = self._kv_views(copy.request_id)
+            copy_blocks(view, copy.src, host_view, copy.dst)
+        for copy in output.swap_in:
+            view, host_view = self._kv_views(copy.request_id)
+            copy_blocks(host_view, copy.src, view, copy.dst)
         return switch_s
 
     def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
@@ -305,10 +306,11 @@ class Engine:
         m = self.models[output.model]
         params = self.slots.params(output.model)
 
-        partial = output.partial
+        partial, scheduled = output.partial, output.num_scheduled_tokens
 
         def chunk(r: Request) -> SeqChunk:
-            tokens, start = _new_tokens(r, partial.get(r.request_id)), r.num_computed_tokens
+            tokens = _new_tokens(r, scheduled[r.request_id] if r.request_id in partial else None)
+            start = r.num_computed_tokens
             restart = m.runner.recompute_from(start, start + len(tokens))   # longrope past its pretraining length
             if restart < start:
                 tokens = (list(r.prompt_token_ids) + list(r.output_token_ids))[restart:start] + tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
-from scheduler import deadlines
+import scheduler.deadlines as deadlines
 from scheduler.overload import BatchLoad, RoundRule
 from scheduler.request import Request
 from scheduler.step_overhead import StepOverhead

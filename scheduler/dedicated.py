@@ -6,7 +6,8 @@ request: plain continuous batching, the reference point for the multiplexing pol
 from __future__ import annotations
 
 from scheduler.kv_blocks import KVShape
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulingPolicy
+from scheduler.scheduler_output import SchedulerOutput
 from scheduler.request import Request
 
 

@@ -37,13 +37,14 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from scheduler import deadlines
+import scheduler.deadlines as deadlines
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
+from scheduler.scheduler_output import KVCopy, SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -113,28 +114,6 @@ class SchedulerConfig:
         if self.admit_alpha is not None:
             return self.admit_alpha
         return 1.0 if self.per_token else 0.9
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    model: str  # the model this step runs
-    requests: list[Request]  # each advances num_computed_tokens -> num_tokens
-    is_prefill: bool
-    swap_out: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, device, host)
-    swap_in: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (id, host, device)
-    prefetch_model: str | None = None  # model expected next: start copying its weights now
-    num_steps: int = 1  # decode steps the engine may run back to back with this batch (see _lookahead)
-    # request id -> tokens this step computes, for a request whose prefill is split (a chunk
-    # that stops short of num_tokens: no token comes out of it; see _prefill_step)
-    partial: dict[str, int] = field(default_factory=dict)
-
-    def new_tokens(self, request: Request) -> int:
-        """Tokens this step computes for `request`."""
-        return self.partial.get(request.request_id, request.num_new_tokens)
-
-    @property
-    def num_new_tokens(self) -> int:
-        return sum(self.new_tokens(r) for r in self.requests)
 
 
 @dataclass(frozen=True)
@@ -283,35 +262,22 @@ class SchedulingPolicy(ABC):
     def _choose(self, now: float) -> SchedulerOutput | None:
         """Pick the step to run next (built with _prefill_step / _decode_step)."""
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: dict[str, int],
-        now: float,
-        step_time_s: float = 0.0,
-        switch_time_s: float = 0.0,
-        copy_time_s: float | None = None,
-        observe: bool = True,
-    ) -> list[Request]:
-        """Apply one step's sampled tokens; returns the requests that finished.
-
-        switch_time_s: what the step waited for output.model's weights. copy_time_s: what the
-        swap-in that brought them took, hidden by a prefetch or not (None: no swap since the
-        model last ran). observe: teach the estimator these times now (see `observe`; a
-        multi-step run teaches it once, after its last step)."""
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Apply one step's sampled tokens; returns the requests that finished."""
         requests = self.requests
         live = [r for r in output.requests if requests.get(r.request_id) is r]
         partial = output.partial
         if partial:   # chunks of a split prefill: their KV is in, no token comes out
             for request in live:
                 if request.request_id in partial:
-                    request.num_computed_tokens += partial[request.request_id]
+                    request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
             live = [r for r in live if r.request_id not in partial]
+        sampled, now = result.sampled, result.now
         missing = [r.request_id for r in live if r.request_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for requests {missing} of the step")
-        if observe:
-            self.observe(output, step_time_s, switch_time_s, copy_time_s)
+        if result.observe:
+            self.observe(output, result.step_time_s, result.switch_time_s, result.copy_time_s)
         finished = []
         for request in live:
             request.num_computed_tokens = request.num_tokens
@@ -361,7 +327,7 @@ class SchedulingPolicy(ABC):
         (one request may exceed max_prefill_tokens)."""
         shape = self.models[model].kv_shape
         budget = self.config.max_prefill_tokens if chunk_tokens is None else chunk_tokens
-        chosen, tokens, partial = [], 0, {}
+        chosen, tokens, scheduled, partial = [], 0, {}, frozenset()
         for request in candidates:
             if len(chosen) == self.config.max_prefill_group:
                 break
@@ -375,8 +341,10 @@ class SchedulingPolicy(ABC):
                 request.block_ids = ids
             chosen.append(request)
             if chunk_tokens is not None and tokens + new > budget:
-                partial[request.request_id] = budget - tokens
+                scheduled[request.request_id] = budget - tokens
+                partial = frozenset((request.request_id,))
                 break
+            scheduled[request.request_id] = new
             tokens += new
         if not chosen:
             return None
@@ -387,7 +355,7 @@ class SchedulingPolicy(ABC):
             queue.remove(request)
             request.status = RequestStatus.RUNNING
             self._insert_running(request)
-        return SchedulerOutput(model=model, requests=chosen, is_prefill=True, partial=partial)
+        return SchedulerOutput(model, chosen, True, scheduled, partial=partial)
 
     def _decode_step(self, model: str, max_steps: int = 1) -> SchedulerOutput | None:
         """A decode step over the model's RUNNING and SWAPPED requests (oldest first),
@@ -437,15 +405,15 @@ class SchedulingPolicy(ABC):
         batch = self.running[model][: self.config.max_batch_size]
         # most decode steps: every request RUNNING with room for its next token in its last block
         if all(r.status is RequestStatus.RUNNING and r.num_tokens <= len(r.block_ids) * BLOCK_SIZE for r in batch):
-            return SchedulerOutput(model, batch, False) if batch else None
+            return SchedulerOutput.decode(model, batch) if batch else None
         shape = self.models[model].kv_shape
         pending = list(batch)
         protected = {r.request_id for r in pending}
-        output = SchedulerOutput(model=model, requests=[], is_prefill=False)
+        output = SchedulerOutput.decode(model, [])
         while pending:
             request = pending[0]
             if self._grow(request, shape, protected, output):
-                output.requests.append(pending.pop(0))
+                output.add_decode(pending.pop(0))
                 continue
             # Nothing outside the step can be evicted: shed the step's newest request.
             shed = pending.pop()
@@ -470,7 +438,7 @@ class SchedulingPolicy(ABC):
             self._preempt(victim, output)
         if swapped:
             host_ids = request.host_block_ids
-            output.swap_in.append((request.request_id, host_ids, ids[: len(host_ids)]))
+            output.swap_in.append(KVCopy(request.request_id, host_ids, ids[: len(host_ids)]))
             self._deferred_host_frees.append((shape, host_ids))
             request.host_block_ids = []
             request.block_ids = ids
@@ -498,7 +466,7 @@ class SchedulingPolicy(ABC):
         host = self.host_block_manager
         host_ids = host.allocate(shape, len(victim.block_ids)) if host is not None else None
         if host_ids is not None:
-            output.swap_out.append((victim.request_id, victim.block_ids, host_ids))
+            output.swap_out.append(KVCopy(victim.request_id, victim.block_ids, host_ids))
             self.block_manager.free(shape, victim.block_ids)
             victim.block_ids = []
             victim.host_block_ids = host_ids

@@ -8,7 +8,8 @@ token-level multiplexing removes.
 """
 from __future__ import annotations
 
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulingPolicy
+from scheduler.scheduler_output import SchedulerOutput
 
 
 class RequestLevelPolicy(SchedulingPolicy):

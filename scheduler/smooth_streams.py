@@ -28,7 +28,8 @@ from scheduler.round_planner import RoundPlanner
 from scheduler.step_overhead import StepOverhead
 
 if TYPE_CHECKING:
-    from scheduler.policy import SchedulerOutput, SchedulingPolicy
+    from scheduler.policy import SchedulingPolicy
+    from scheduler.scheduler_output import SchedulerOutput
 
 SMOOTH_ALPHA = 0.5  # rounds up to this alpha run in slices and spread prefill
 

@@ -33,15 +33,16 @@ the next batch of the round), so the engine can copy its weights in the backgrou
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from scheduler import deadlines
+import scheduler.deadlines as deadlines
 from scheduler.batch_loads import BatchLoads
-from scheduler.policy import SchedulerOutput, SchedulingPolicy
+from scheduler.policy import SchedulingPolicy
 from scheduler.prefill_budget import PrefillBudget
 from scheduler.request import Request
 from scheduler.round_planner import RoundPlanner
+from scheduler.scheduler_output import SchedulerOutput, StepResult
 from scheduler.smooth_streams import SmoothStreams, WholeTurns
 from scheduler.step_overhead import StepOverhead
 
@@ -77,20 +78,11 @@ class TokenLevelPolicy(SchedulingPolicy):
     def _choose(self, now: float) -> SchedulerOutput | None:
         self._ran_all = self.overhead.observe(now)
         self.planner.forget_due()
-        if self._chunked or self.turns.decode_first:   # a decode turn before the next prefill
-            output = (
-                self._continue_turn(now)
-                or self._start_turn(now)
-                or self._continue_group(now)
-                or self._start_group(now)
-            )
-        else:
-            output = (
-                self._continue_group(now)
-                or self._continue_turn(now)
-                or self._start_group(now)
-                or self._start_turn(now)
-            )
+        output = None
+        for choice in self._choices():
+            output = choice(now)
+            if output is not None:
+                break
         self._chunked = output is not None and bool(output.partial)
         if output is not None:
             self.turns.after(output, now, self._new_round)
@@ -102,14 +94,26 @@ class TokenLevelPolicy(SchedulingPolicy):
             self.overhead.scheduled(now, not output.is_prefill, output.num_steps)
         return output
 
-    def update(self, output, sampled, now, step_time_s=0.0, switch_time_s=0.0, copy_time_s=None, observe=True):
-        spent = step_time_s + switch_time_s
+    def _choices(self) -> tuple[Callable[[float], SchedulerOutput | None], ...]:
+        """What may run next, tried in this order (the first that has a step wins):
+
+        after a chunk of a split prefill, or when the turn strategy owes decode first:
+          1. the current decode turn, 2. the next turn of the round, 3. the current prefill
+          group, 4. the next group;
+        otherwise the prefill group in progress finishes first, then turns go on:
+          1. the current group, 2. the current turn, 3. the next group, 4. the next turn."""
+        if self._chunked or self.turns.decode_first:
+            return self._continue_turn, self._start_turn, self._continue_group, self._start_group
+        return self._continue_group, self._continue_turn, self._start_group, self._start_turn
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        spent = result.step_time_s + result.switch_time_s
         self.overhead.stepped(spent)
         if output.is_prefill:
             self.prefill.spend(spent)
         elif output.requests:
             self.prefill.earn(spent)
-        finished = super().update(output, sampled, now, step_time_s, switch_time_s, copy_time_s, observe)
+        finished = super().update(output, result)
         if not self.requests:  # the device goes idle: the next gap is not a step's overhead
             self.overhead.idle()
         return finished

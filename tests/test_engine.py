@@ -136,6 +136,10 @@ def test_eight_models_interleaved_with_budget_for_two(zoo_model):
 
 
 def test_kv_preemption_by_a_tiny_pool_keeps_output_exact(zoo_model):
+    """The policy's SchedulerOutputs to the engine and the engine's StepResults back to the
+    policy, both real: each step's result has a token for every request that makes one, KV
+    swapped out (device -> host) comes back in from the host blocks it went to, and the
+    output still equals generate()."""
     model = "llama-tiny-b"
     path = zoo_model(model)
     from actors.model_spec import ModelSpec
@@ -143,11 +147,31 @@ def test_kv_preemption_by_a_tiny_pool_keeps_output_exact(zoo_model):
     shape = ModelSpec.from_dir(path).kv_shape
     slab = shape.block_bytes * 4                 # 4 blocks per slab
     engine = _engine({model: path}, num_slots=1, kv_bytes=slab * 6, slab_bytes=slab, host_kv_bytes=slab * 64)
+    steps = []
+    update = engine.policy.update
+
+    def recorded(output, result, update=update):
+        steps.append((output, result))
+        return update(output, result)
+
+    engine.policy.update = recorded
     reqs = _greedy_requests([model], seed=3, max_new=20)
     out = _run(engine, reqs)
     assert engine.policy.num_preemptions > 0, "the pool was meant to be too small for all requests at once"
     for r in reqs:
         assert out[r.request_id]["tokens"] == hf_greedy(path, list(r.prompt_token_ids), 20), r.request_id
+    host_of, previous = {}, None   # request id -> the host blocks its KV was swapped out to
+    for output, result in steps:
+        assert set(output.num_scheduled_tokens) == {r.request_id for r in output.requests}
+        assert {r.request_id for r in output.requests} - output.partial <= set(result.sampled)
+        assert result.step_time_s > 0
+        if output is previous:   # the next step of a multi-step run: its copies were done before its first
+            continue
+        previous = output
+        for copy in output.swap_in:
+            assert copy.src == host_of.pop(copy.request_id)
+        host_of.update((copy.request_id, copy.dst) for copy in output.swap_out)
+    assert any(output.swap_in for output, _ in steps)
 
 
 def test_seeded_sampling_is_reproducible_across_interleavings(zoo_model):

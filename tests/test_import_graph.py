@@ -149,3 +149,20 @@ def test_every_project_import_names_a_module_that_exists():
     modules = _modules()
     missing = {name: found for name, path in modules.items() if (found := _missing_modules(path, name, modules))}
     assert not missing, f"imports of modules that do not exist: {missing}"
+
+
+def test_siblings_import_siblings_not_their_package():
+    """`from scheduler import deadlines` inside scheduler/ runs scheduler/__init__.py, whose
+    re-exports import half the package: a module that goes through an __init__ that imports
+    closes a loop (scheduler -> policy -> scheduler). A sibling is imported by its own name."""
+    modules = _modules()
+    reexporting = {name for name, path in modules.items()
+                   if path.name == "__init__.py" and _imports(path, name, modules)}
+    wrong = []
+    for name, path in modules.items():
+        package = name.rpartition(".")[0]
+        if path.name == "__init__.py" or package not in reexporting:
+            continue
+        wrong += [f"{name}: from {base} import {', '.join(names)}"
+                  for base, names in _statements(path, name) if names and base == package]
+    assert wrong == []

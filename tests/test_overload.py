@@ -252,7 +252,7 @@ def _prefill_steps(engine, model):
     steps = []
     for i, (out, (_, _, rows)) in enumerate(zip(engine.trace, engine.log)):
         if out.is_prefill and out.model == model:
-            tokens = sum(out.partial.get(rid, total - done) for rid, done, total in rows)
+            tokens = sum(out.num_scheduled_tokens[rid] for rid, _, _ in rows)
             steps.append((i, 0.005 + 1e-4 * tokens))
     return steps
 

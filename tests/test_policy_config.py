@@ -79,3 +79,19 @@ def test_the_serve_configs_set_the_quota_rule(name):
     args = parse_app_args(yaml.safe_load((CONFIGS / name).read_text())["applications"][0]["args"])
     config = args.scheduler.config()
     assert (config.quota_max_s, config.quota_switch_factor) == (4.0, 8.0)
+
+
+# SchedulerConfig fields a deployment does not set (ablations and engine-internal knobs); a
+# new SchedulerConfig field must land in SchedulerArgs or here, so the two cannot drift apart
+NOT_DEPLOYABLE = {"overload_control", "ttft_slack", "admit_alpha", "max_decode_steps"}
+
+
+def test_scheduler_args_keep_in_step_with_scheduler_config():
+    from deploy.serve_app.app_args import SchedulerArgs
+
+    config_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    args_fields = set(SchedulerArgs.model_fields)
+    assert args_fields <= config_fields, args_fields - config_fields
+    assert config_fields - args_fields == NOT_DEPLOYABLE
+    every = {name: getattr(SchedulerConfig(), name) for name in args_fields}
+    assert SchedulerArgs(**every).config() == SchedulerConfig()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from scheduler import (
     SLO, BlockManager, DedicatedPolicy, KVShape, Request, RequestLevelPolicy, RequestStatus,
-    SamplingParams, SchedulerConfig, StepLatencyEstimator, TokenLevelPolicy, decode_quotas,
+    SamplingParams, SchedulerConfig, StepLatencyEstimator, StepResult, TokenLevelPolicy, decode_quotas,
 )
 
 SHAPE_A = KVShape(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=2)  # 512-byte blocks
@@ -52,14 +52,14 @@ class FakeEngine:
         self.log.append((out.model, out.is_prefill,
                          [(r.request_id, r.num_computed_tokens, r.num_tokens) for r in out.requests]))
         shape_of = {m: e.kv_shape for m, e in self.policy.models.items()}
-        for rid, dev, host in out.swap_out:
-            shape = shape_of[self._model_of(rid, out)]
-            for d, h in zip(dev, host, strict=True):
+        for copy in out.swap_out:   # device -> host
+            shape = shape_of[self._model_of(copy.request_id, out)]
+            for d, h in zip(copy.src, copy.dst, strict=True):
                 # a block given ahead for a multi-step run may be unwritten: the engine copies its garbage
                 self.host[(shape, h)] = list(self.device.get((shape, d), [None] * 16))
-        for rid, host, dev in out.swap_in:
-            shape = shape_of[self._model_of(rid, out)]
-            for h, d in zip(host, dev, strict=True):
+        for copy in out.swap_in:   # host -> device
+            shape = shape_of[self._model_of(copy.request_id, out)]
+            for h, d in zip(copy.src, copy.dst, strict=True):
                 self.device[(shape, d)] = list(self.host[(shape, h)])
         shape = shape_of[out.model]
         switch = self.switch_s if out.model != self.loaded else 0.0
@@ -72,12 +72,12 @@ class FakeEngine:
                 assert len(r.block_ids) * 16 >= r.num_tokens
                 for p in range(r.num_computed_tokens):  # the KV this step attends to is intact
                     assert self.device[(shape, r.block_ids[p // 16])][p % 16] == (r.request_id, ids[p]), r
-                for p in range(r.num_computed_tokens, r.num_computed_tokens + out.new_tokens(r)):
+                for p in range(r.num_computed_tokens, r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]):
                     self.device.setdefault((shape, r.block_ids[p // 16]), [None] * 16)[p % 16] = (r.request_id, ids[p])
             step_s = self.step_s(out) if callable(self.step_s) else self.step_s
             self.now += step_s + (switch if i == 0 else 0.0)
             sampled = {r.request_id: sample(r) for r in live}
-            finished = self.policy.update(out, sampled, self.now, step_s, switch if i == 0 else 0.0)
+            finished = self.policy.update(out, StepResult(sampled, self.now, step_s, switch if i == 0 else 0.0))
             self._check_invariants()
             if finished:
                 break
@@ -182,14 +182,14 @@ def test_update_finishes_on_eos_stop_token_and_length():
         policy.add_request(r)
     out = policy.schedule(0.0)
     assert out.is_prefill and {r.request_id for r in out.requests} == {"eos", "ign", "stop"}
-    finished = policy.update(out, {"eos": EOS, "ign": EOS, "stop": 7}, now=1.0)
+    finished = policy.update(out, StepResult({"eos": EOS, "ign": EOS, "stop": 7}, now=1.0))
     assert {r.request_id for r in finished} == {"eos", "stop"}
     assert eos.status is RequestStatus.FINISHED_STOPPED and stop.status is RequestStatus.FINISHED_STOPPED
     assert ign.first_token_time == 1.0 and ign.output_token_ids == [EOS]
     for t in (2.0, 3.0):
         out = policy.schedule(t)
         assert not out.is_prefill and out.requests == [ign]
-        finished = policy.update(out, {"ign": EOS}, now=t + 0.5)
+        finished = policy.update(out, StepResult({"ign": EOS}, now=t + 0.5))
     assert finished == [ign] and ign.status is RequestStatus.FINISHED_LENGTH
     assert ign.token_times == [1.0, 2.5, 3.5]
     assert all_free(policy) and not policy.has_unfinished()

@@ -25,10 +25,11 @@ from cluster.planner.devices import DeviceLayout
 from cluster.planner.marketplace import Marketplace
 from cluster.planner.metrics import Turn
 from scheduler.kv_blocks import BlockManager
-from scheduler.policy import SchedulerConfig, SchedulerOutput
+from scheduler.policy import SchedulerConfig
 from scheduler.policy_registry import make_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.routing import WorkerView
+from scheduler.scheduler_output import SchedulerOutput, StepResult
 
 SAMPLED_TOKEN = 7   # every simulated token; requests run to their trace length (ignore_eos)
 STEP_EMA = 0.2      # smoothing of the step time the worker reports, as a DeviceWorker does
@@ -97,8 +98,8 @@ class SimWorker:
         """Apply the step that ends at `now`: (its output, the requests that finished)."""
         step, self.step = self.step, None
         live = [r for r in step.output.requests if self.policy.requests.get(r.request_id) is r]
-        finished = self.policy.update(step.output, {r.request_id: SAMPLED_TOKEN for r in live}, now,
-                                      step.run_s, step.wait_s, step.copy_s)
+        sampled = {r.request_id: SAMPLED_TOKEN for r in live}
+        finished = self.policy.update(step.output, StepResult(sampled, now, step.run_s, step.wait_s, step.copy_s))
         self.policy.set_resident(m for m, ready in self.slots.items() if ready <= now)
         duration = now - step.start
         self.step_time_ema = duration if not self.step_time_ema else (
@@ -170,10 +171,10 @@ class SimWorker:
         if not output.swap_out and not output.swap_in:
             return 0.0
         nbytes = 0
-        for request_id, ids, _ in (*output.swap_out, *output.swap_in):
-            request = self.policy.requests.get(request_id)
+        for copy in (*output.swap_out, *output.swap_in):
+            request = self.policy.requests.get(copy.request_id)
             if request is not None:
-                nbytes += len(ids) * self.market.types[request.model].kv_shape.block_bytes
+                nbytes += len(copy.src) * self.market.types[request.model].kv_shape.block_bytes
         return nbytes / self.layout.device.h2d_bytes_per_s
 
     def _compute_s(self, output: SchedulerOutput) -> float:
@@ -181,7 +182,7 @@ class SimWorker:
         if output.is_prefill:
             tokens = attention = 0
             for r in output.requests:
-                n = output.new_tokens(r)
+                n = output.num_scheduled_tokens[r.request_id]
                 tokens += n
                 attention += n * (n + 2 * r.num_computed_tokens)
             return fit.prefill_s(tokens, attention)
