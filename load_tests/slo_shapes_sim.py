@@ -59,6 +59,15 @@ def measured_slo(spec) -> tuple[float, float]:
     return 20.0 * (prefill + switch), 5.0 * decode
 
 
+def service_rate(spec) -> float:
+    """mu = 1 / (prefill of a 128-token prompt + mean output x one decode step), as
+    published.service_rate: the rate axis' unit."""
+    _, tbt = measured_slo(spec)
+    mean_out = sum(r.output_len for r in spec.workload) / len(spec.workload)
+    fit = spec.market.fits[next(iter(spec.market.types))]
+    return 1.0 / (fit.prefill_prompts_s([128]) + mean_out * tbt / 5.0)
+
+
 def attainment(spec, policy: str, rate: float, slo) -> float:
     from dataclasses import replace
 
@@ -93,11 +102,8 @@ def main(argv=None) -> int:
     out = {"settings": vars(args), "traces": {}}
     for arrival in _csv(args.traces, str):
         specs = {s: _spec(args, arrival, s) for s in seeds}
-        first = specs[seeds[0]]
-        ttft, tbt = measured_slo(first)
-        mean_out = sum(r.output_len for r in first.workload) / len(first.workload)
-        fit = first.market.fits[next(iter(first.market.types))]
-        mu = 1.0 / (fit.prefill_prompts_s([128]) + mean_out * tbt / 5.0)   # published.service_rate
+        ttft, tbt = measured_slo(specs[seeds[0]])
+        mu = service_rate(specs[seeds[0]])
         trace_out = out["traces"][arrival] = {"measured_slo": {"ttft_s": ttft, "tbt_s": tbt,
                                                               "ratio": ttft / tbt}, "shapes": {}}
         for ratio in _csv(args.ratios, str):

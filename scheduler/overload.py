@@ -21,9 +21,9 @@ out a round for a request whose first token is due. Two guards keep that from tu
 every stream falling behind together (EDF's domino under overload): a decoding batch with
 less than `guard_s` of slack (two rounds) is never passed by a waiting one, and a waiting
 request whose first token is already late goes last (rushing it saves nothing: its TTFT is
-lost; it still runs once there is room) -- for a while: once it is late by half its TTFT SLO
-(`aged`) it goes back into deadline order, where it is first. A lost stream is aged once it
-has gone that long (1.5x its TTFT SLO) without a token. Without that bound a late
+lost; it still runs once there is room) -- for a while: once it is late by three times its TTFT SLO
+(`aged`, deadlines.LATE_AGE) it goes back into deadline order, where it is first. A lost stream is aged once it
+has gone 1.5x its TTFT SLO without a token (deadlines.STALL_AGE). Without that bound a late
 request waited for the whole overload while admission kept letting in requests that were on
 time (the chaos bench's accepted TTFT p99 was 6-12x the SLO).
 
