@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.metrics import MetricsExporter
+from cluster.catalog_store import CatalogStore
 from cluster.node_watcher import NodeWatcher
 from cluster.placement_service import get_or_create_placement
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
 from cluster.supervisor import Supervisor
+from scheduler.catalog import ModelCatalog
 from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, ClusterStatus, WorkerDown, WorkerStats
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
@@ -264,9 +267,11 @@ class Topology:
                 workers[wid] = WorkerDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         for wid in list(self.vacant):
             workers.setdefault(wid, WorkerDown("retired by the supervisor; its replacement is starting"))
+        catalog = CatalogStore().load()
         return ClusterStatus(workers, ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
                              ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S),
-                             replacements=self.supervisor.replacements() if self.supervisor else ())
+                             replacements=self.supervisor.replacements() if self.supervisor else (),
+                             catalog=catalog.to_dict() if catalog is not None else {})
 
     # ---- teardown --------------------------------------------------------------------
 
@@ -362,6 +367,9 @@ def bring_up(config: TopologyConfig) -> Topology:
     if not ray.is_initialized():
         raise ValueError("bring_up needs a connected Ray; call cluster.ray_runtime.connect_or_start() first")
     owned = not (_named_exists(ray, ROUTER_NAME) or _named_exists(ray, PLACEMENT_NAME))
+    if owned:   # a fresh cluster: its catalog is the config's models (deploying is adding them)
+        CatalogStore().save(ModelCatalog.of_models(config.models))
+        MetricsExporter().inc("tokenmux_catalog_changes_total", len(config.models), {"kind": "add"})
     router = get_or_create_router(detached=config.detached, routing_config=RoutingConfig(**config.routing))
     placement = start_placement(config, router)
     topology = Topology(router, placement, config, owned=owned)

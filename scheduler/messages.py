@@ -137,6 +137,8 @@ class OutputFrame:
     error: str | None = None
     num_prompt_tokens: int = 0
     worker_id: str | None = None
+    # The model version that served it (the live catalog's fingerprint, name@vN): set at the edge.
+    model_version: str | None = None
     # Set on a prefill worker's last frame: the request goes on at this decode worker, whose
     # `generate_prefilled(request_id)` the reader opens (actors/frame_stream.py follows it).
     moved_to: DecodeTarget | None = None
@@ -494,6 +496,7 @@ class ClusterStatus:
     models: Mapping[str, str] = field(default_factory=dict)   # name -> checkpoint dir (the Serve app adds them)
     policy: str | None = None
     replacements: tuple[WorkerReplacement, ...] = ()   # dead workers and their replacements, oldest first
+    catalog: Mapping = field(default_factory=dict)   # the live catalog (scheduler/catalog.py ModelCatalog.to_dict)
 
     def alive(self) -> dict[str, WorkerStats]:
         return {w: s for w, s in self.workers.items() if isinstance(s, WorkerStats)}
@@ -503,4 +506,4 @@ class ClusterStatus:
                        {"alive": False, "error": s.error}) for w, s in self.workers.items()}
         return {"workers": workers, "plan": self.plan.to_dict() if self.plan else None,
                 "router": self.router.to_dict(), "models": dict(self.models), "policy": self.policy,
-                "replacements": [r.to_dict() for r in self.replacements]}
+                "replacements": [r.to_dict() for r in self.replacements], "catalog": dict(self.catalog)}

@@ -136,6 +136,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 
@@ -158,6 +159,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 
@@ -180,6 +182,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 

@@ -116,12 +116,14 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
                 if endpoint == "completions":
                     choice = CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)
                     chunk = CompletionResponse(id=req.request_id, created=created, model=req.model,
-                                               tokenmux=_ext(frame), choices=[choice])
+                                               system_fingerprint=frame.model_version, tokenmux=_ext(frame),
+                                               choices=[choice])
                 else:
                     delta = ChatDelta(role="assistant" if first else None, content=frame.text)
                     choice = ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)
                     chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model,
-                                                tokenmux=_ext(frame), choices=[choice])
+                                                system_fingerprint=frame.model_version, tokenmux=_ext(frame),
+                                                choices=[choice])
                 first = False
                 yield chunk.model_dump()
     except Exception as e:  # an engine failure is a value in the stream
@@ -152,6 +154,7 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
     text: list[str] = []
     ext = TokenmuxExtension()
     finish_reason = None
+    version = None
     try:
         async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
             async for frame in frames:
@@ -161,6 +164,7 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
                 ext.token_ids.extend(frame.token_ids)
                 ext.token_times.extend(frame.token_times)
                 ext.worker_id = frame.worker_id or ext.worker_id
+                version = frame.model_version or version
                 finish_reason = frame.finish_reason
     except OpenAIError:
         raise
@@ -174,7 +178,7 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
     if endpoint == "completions":
         choice = CompletionChoice(text="".join(text), finish_reason=finish_reason)
         return CompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
-                                  usage=usage, tokenmux=ext).model_dump()
+                                  usage=usage, system_fingerprint=version, tokenmux=ext).model_dump()
     choice = ChatChoice(message=ChatResponseMessage(content="".join(text)), finish_reason=finish_reason)
     return ChatCompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
-                                  usage=usage, tokenmux=ext).model_dump()
+                                  usage=usage, system_fingerprint=version, tokenmux=ext).model_dump()

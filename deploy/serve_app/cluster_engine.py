@@ -92,6 +92,11 @@ class ClusterEngineClient:
     def models(self) -> list[ServedModel]:
         return list(self._models.values())
 
+    def set_models(self, models: list[ServedModel]) -> None:
+        """The models (serving keys) requests may name from now on (the live catalog's, through
+        deploy/serve_app/catalog_client.py); requests in flight keep going."""
+        self._models = {m.name: m for m in models}
+
     def tokenizer(self, model: str) -> Any:
         info = self._models.get(model)
         if info is None:
