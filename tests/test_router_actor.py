@@ -40,7 +40,7 @@ def _fake_worker_class(ray):
             self.registered.add(name)
             return RegisteredModel(name, path, "LlamaForCausalLM", 256, GB, 1024)
 
-        def unregister_model(self, name):
+        def unregister_model(self, name, evict_host=False):
             self.calls.append(("unregister", name))
             self.registered.discard(name)
             self.resident.discard(name)
