@@ -309,7 +309,7 @@ def test_generate_frames_is_the_stream_for_in_cluster_callers(engine, tok):
 class _TruncatingEngine(FakeEngineClient):
     """An engine whose stream ends without a finished frame (a bug the ingress must report)."""
 
-    async def generate(self, req):
+    async def frames(self, req):
         yield OutputFrame(req.request_id, token_ids=[5], text="x", token_times=[time.time()])
 
 

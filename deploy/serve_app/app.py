@@ -118,7 +118,7 @@ class TokenmuxIngress:
 
     async def __init__(self, args: dict, cluster: Any) -> None:
         from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
-        from deploy.serve_app.metered_engine import MeteredEngineClient
+        from deploy.serve_app.request_meter import RequestMeter
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
@@ -127,8 +127,8 @@ class TokenmuxIngress:
         self.cluster = cluster
         models = await cluster.models.remote()
         router = await cluster.router.remote()
-        self.engine = MeteredEngineClient(ClusterEngineClient(router, await asyncio.to_thread(served_models, models),
-                                                              router_source=self._fresh_router))
+        self.engine = ClusterEngineClient(router, await asyncio.to_thread(served_models, models),
+                                          router_source=self._fresh_router, meter=RequestMeter())
         self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
                                     default_max_tokens=self.args.default_max_tokens,
                                     default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s),

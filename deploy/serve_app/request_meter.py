@@ -1,6 +1,6 @@
-"""MeteredEngineClient: the ingress's view of every request, as metrics; wraps any EngineClient.
+"""RequestMeter: the ingress's view of every request, as metrics, recorded once as it ends.
 
-    engine = MeteredEngineClient(ClusterEngineClient(...))     # deploy/serve_app/app.py
+    ClusterEngineClient(router, models, meter=RequestMeter())     # deploy/serve_app/app.py
 
 Per request (never per token) it records the outcome (ok, error, cancelled) and, for a
 finished request, whether it met its SLO the way vLLM's benchmark and DistServe define
@@ -14,12 +14,10 @@ goodput is judged.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
-from typing import Any, AsyncIterator
 
 from actors.metrics import MetricsExporter
-from scheduler.messages import FINISH_CANCELLED, FINISH_ERROR, GenerateRequest, OutputFrame
+from scheduler.messages import FINISH_CANCELLED, GenerateRequest
 
 GOODPUT_WINDOW_S = 60.0
 
@@ -55,44 +53,18 @@ class RollingGoodput:
         return sum(m for _, m in events) / len(events)
 
 
-class MeteredEngineClient:
-    def __init__(self, inner: Any, exporter: MetricsExporter | None = None,
-                 window_s: float = GOODPUT_WINDOW_S):
-        self.inner = inner
+class RequestMeter:
+    """Records each request as it ends (ClusterEngineClient calls `record` from its RequestState's end)."""
+
+    def __init__(self, exporter: MetricsExporter | None = None, window_s: float = GOODPUT_WINDOW_S):
         self.exporter = exporter or MetricsExporter()
         self.goodput = RollingGoodput(window_s)
 
-    def __getattr__(self, name: str):   # the rest of the wrapped client (e.g. num_redispatched)
-        return getattr(self.inner, name)
-
-    def models(self):
-        return self.inner.models()
-
-    def tokenizer(self, model: str):
-        return self.inner.tokenizer(model)
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
-        times: list[float] = []
-        outcome = FINISH_CANCELLED   # until a frame says otherwise: the consumer left early
-        try:
-            # aclosing: a consumer that leaves closes the inner stream now (its release and cancel),
-            # not whenever the garbage collector finalises it
-            async with contextlib.aclosing(self.inner.generate(req)) as frames:
-                async for frame in frames:
-                    times += frame.token_times
-                    if frame.finished:
-                        outcome = "error" if frame.finish_reason == FINISH_ERROR else "ok"
-                    yield frame
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            self._record(req, outcome, times)
-
-    def _record(self, req: GenerateRequest, outcome: str, times: list[float]) -> None:
+    def record(self, req: GenerateRequest, outcome: str, token_times: list[float]) -> None:
+        """outcome: "ok", "error" or "cancelled" (the client left: no SLO verdict)."""
         self.exporter.inc("tokenmux_ingress_requests_total", 1, {"model": req.model, "outcome": outcome})
-        if outcome == FINISH_CANCELLED:   # the client left: no SLO verdict
+        if outcome == FINISH_CANCELLED:
             return
-        met = outcome == "ok" and meets_slo(req, times)
+        met = outcome == "ok" and meets_slo(req, token_times)
         self.exporter.inc("tokenmux_slo_requests_total", 1, {"model": req.model, "met": str(met).lower()})
         self.exporter.set("tokenmux_slo_goodput", self.goodput.add(req.model, met), {"model": req.model})
