@@ -8,7 +8,7 @@ State: the worker handles, each worker's latest `WorkerStats` (polled every
 `poll_interval_s`; its measured decode step time is what "SLO headroom" is computed from),
 the requests dispatched and not yet released (`LoadTracker`), and the PlacementPlan pushed
 by the PlacementService. The decision itself is `scheduler.routing.RoutingPolicy`. What
-goes in and out is typed (scheduler/messages.py): LoadReport to placement, PlacementPlan
+goes in and out is typed (cluster/status.py, scheduler/messages.py): LoadReport to placement, PlacementPlan
 from it, DecodeTarget to a prefill worker, RouterStatus to operators.
 
 A worker whose stats call fails with RayActorError (it died) is removed from routing; one
@@ -32,7 +32,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.heap import freeze_heap
 from cluster.control_metrics import RouterMetrics
-from scheduler.messages import ROUTER_NAME, DecodeTarget, LoadReport, RouterStatus, WorkerStats
+from scheduler.messages import ROUTER_NAME, DecodeTarget, WorkerStats
+from cluster.status import LoadReport, RouterStatus
 from scheduler.placement import PlacementPlan, observed_load
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.slo import SLO

@@ -30,7 +30,8 @@ from cluster.placement_service import get_or_create_placement
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
 from cluster.supervisor import Supervisor
-from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, ClusterStatus, WorkerDown, WorkerStats
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, WorkerStats
+from cluster.status import ClusterStatus, WorkerDown
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
 from scheduler.slo import SLO

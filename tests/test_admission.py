@@ -15,7 +15,7 @@ from deploy.openai_api.admission import Admission, AdmissionConfig
 from deploy.openai_api.config import IngressConfig
 from deploy.openai_api.errors import OpenAIError
 from deploy.openai_api.ingress import OpenAIIngress
-from scheduler.messages import IngressRequest
+from deploy.openai_api.protocol import IngressRequest
 from edge_helpers import MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine, running_server
 
 

@@ -14,7 +14,8 @@ from deploy.openai_api.ingress import OpenAIIngress
 from deploy.openai_api.config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
                           running_server, wait_until, zoo_models)
-from scheduler.messages import IngressRequest, OutputFrame
+from scheduler.messages import OutputFrame
+from deploy.openai_api.protocol import IngressRequest
 
 
 @pytest.fixture(scope="module")

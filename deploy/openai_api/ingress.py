@@ -37,7 +37,8 @@ from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionReque
                                         CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
 from deploy.openai_api.request_builder import build_generate_request, find_model, request_slo
-from scheduler.messages import GenerateRequest, IngressRequest
+from scheduler.messages import GenerateRequest
+from deploy.openai_api.protocol import IngressRequest
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
-from scheduler.messages import ClusterStatus, IngressRequest
+from cluster.status import ClusterStatus
+from deploy.openai_api.protocol import IngressRequest
 
 if TYPE_CHECKING:
     from deploy.openai_api.admission import AdmissionConfig

@@ -51,7 +51,8 @@ from deploy.openai_api.admission import Ticket
 from deploy.openai_api.engine_protocol import EngineClient, ServedModel, TokenizerCache
 from deploy.serve_app.request_meter import RequestMeter
 from deploy.serve_app.request_state import RECOVERY_DEADLINE_S, DeadlinePassed, RequestState, RetryBudget
-from scheduler.messages import GenerateRequest, OutputFrame, RouterStatus
+from scheduler.messages import GenerateRequest, OutputFrame
+from cluster.status import RouterStatus
 from scheduler.routing import NoWorkerError, RoutingPolicy
 
 logger = logging.getLogger(__name__)
