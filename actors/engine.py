@@ -136,7 +136,7 @@ class Engine:
 
     # -- models ---------------------------------------------------------------------------
 
-    def register_model(self, name: str, path: str | Path) -> dict:
+    def register_model(self, name: str, path: str | Path) -> RegisteredModel:
         """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit.
         Registering the same name and checkpoint again is a no-op (placement may retry)."""
         if name in self.models:

@@ -31,7 +31,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.control_metrics import PlacementMetrics
-from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, LoadReport, WorkerView
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, WorkerView
+from cluster.status import LoadReport
 from scheduler.placement import (ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes,
                                  routable_now)
 from scheduler.slo import SLO

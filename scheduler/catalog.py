@@ -42,6 +42,11 @@ def serving_key(name: str, version: int) -> str:
     return name if version == 1 else f"{name}{VERSION_SEP}{version}"
 
 
+def model_name(key: str) -> str:
+    """The model a serving key serves (`name@vN` -> `name`; names never hold `@`)."""
+    return key.split(VERSION_SEP, 1)[0]
+
+
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise CatalogError(f"model name must be 1-128 characters of letters, digits and . _ : / - "

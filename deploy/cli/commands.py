@@ -22,7 +22,7 @@ from deploy.local import undeploy
 from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
 if TYPE_CHECKING:
-    from scheduler.messages import ClusterStatus
+    from cluster.status import ClusterStatus
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _join(address: str | None, verbose: bool = False) -> None:
 
 def format_status(status: "ClusterStatus") -> str:
     """A readable table: one row per worker, then the placement plan."""
-    from scheduler.messages import WorkerDown
+    from cluster.status import WorkerDown
 
     lines = [f"{'WORKER':<18} {'ROLE':<7} {'KV FREE':>7} {'STEP':>8}  {'RESIDENT':<28} {'REGISTERED':<36} "
              f"QUEUED/RUNNING"]

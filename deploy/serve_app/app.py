@@ -28,7 +28,8 @@ from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
-from scheduler.messages import ClusterStatus, IngressRequest
+from cluster.status import ClusterStatus
+from deploy.openai_api.protocol import IngressRequest
 
 if TYPE_CHECKING:
     from deploy.openai_api.admission import AdmissionConfig
@@ -127,7 +128,6 @@ class TokenmuxIngress:
     """OpenAI-compatible HTTP, plus `generate_frames` / `list_models` for Serve handles."""
 
     async def __init__(self, args: dict, cluster: Any) -> None:
-        from deploy.serve_app.metered_engine import MeteredEngineClient
         from deploy.openai_api.admin import add_admin_routes
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
@@ -137,7 +137,7 @@ class TokenmuxIngress:
         self.cluster = cluster
         router = await cluster.router.remote()
         self.catalog = await catalog_engine(cluster, router, self._fresh_router)
-        self.engine = MeteredEngineClient(self.catalog)
+        self.engine = self.catalog
         self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
                                     default_max_tokens=self.args.default_max_tokens,
                                     default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s),
@@ -195,12 +195,13 @@ async def catalog_engine(cluster, router, router_source):
     from cluster.catalog_store import CatalogStore
     from deploy.serve_app.catalog_client import CatalogEngineClient
     from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
+    from deploy.serve_app.request_meter import RequestMeter
     from scheduler.catalog import ModelCatalog
 
     catalog = ModelCatalog.from_dict(await cluster.catalog.remote())
     store = CatalogStore(await cluster.namespace.remote())
     inner = ClusterEngineClient(router, await asyncio.to_thread(served_models, catalog.placed()),
-                                router_source=router_source)
+                                router_source=router_source, meter=RequestMeter())
     client = CatalogEngineClient(inner, catalog, load=store.load)
     client.start_refreshing()
     return client

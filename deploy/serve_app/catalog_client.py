@@ -1,6 +1,6 @@
 """CatalogEngineClient: the edge's view of the live catalog, in front of the cluster client.
 
-    MeteredEngineClient(CatalogEngineClient(ClusterEngineClient(router, ...)))
+    CatalogEngineClient(ClusterEngineClient(router, ..., meter=RequestMeter()))
 
 Clients name a model; the catalog (scheduler/catalog.py) says which version serves that name
 now. `generate` decides the version once, when the request reaches the cluster: the request
