@@ -137,7 +137,7 @@ class Engine:
 
     # -- models ---------------------------------------------------------------------------
 
-    def register_model(self, name: str, path: str | Path) -> dict:
+    def register_model(self, name: str, path: str | Path) -> RegisteredModel:
         """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit.
         Registering the same name and checkpoint again is a no-op (placement may retry)."""
         if name in self.models:
@@ -165,16 +165,25 @@ class Engine:
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
         return self.model_info(name)
 
-    def unregister_model(self, name: str) -> None:
-        """Stop serving `name`. Refused while it has requests here: nothing accepted is lost
-        (placement retries once they have finished)."""
+    def unregister_model(self, name: str, evict_host: bool = False) -> None:
+        """Stop serving `name` and free what it held: its weight slot, its runner and its KV view
+        (its blocks went back with its last request), its host-cache mapping (and the node's file,
+        with `evict_host`). Refused while it has requests here: nothing accepted is lost
+        (placement retries once they have finished; `requests_of` + `abort` cut them first)."""
         self._model(name)
-        live = sum(r.model == name for r in self.requests.values()) + \
-            sum(r.model == name for r, _ in self._held.values())
+        live = len(self.requests_of(name))
         if live:
             raise ValueError(f"model {name!r} still has {live} unfinished requests on this worker")
         self.policy.remove_model(name)
+        self.slots.remove_model(name, evict_host)
+        self.decode_step_s_by_model.pop(name, None)
         del self.models[name]
+        logger.info("unregistered %s%s", name, " (host cache evicted)" if evict_host else "")
+
+    def requests_of(self, name: str) -> list[str]:
+        """Ids of the unfinished requests of model `name` here (held for a handoff included)."""
+        return [rid for rid, r in self.requests.items() if r.model == name] + \
+            [rid for rid, (r, _) in self._held.items() if r.model == name]
 
     def model_info(self, name: str) -> RegisteredModel:
         m = self._model(name)

@@ -119,6 +119,11 @@ class HostWeightCache:
             _CREATED.discard(p)
         self._layouts.pop(model, None)
 
+    def forget(self, model: str) -> None:
+        """Drop `model` from this process only: unmap it here; its file stays for the node's other workers."""
+        self._release(model)
+        self._layouts.pop(model, None)
+
     def close(self) -> None:
         """Unmap everything in this process; the files stay for the other workers."""
         for model in list(self._mapped):

@@ -113,6 +113,8 @@ CATALOG: dict[str, MetricSpec] = _specs(
     ("tokenmux_placement_replicas", "gauge", "Workers the placement plan gives the model.", ("model",), (),
      "placement"),
     ("tokenmux_placement_plan_version", "gauge", "Version of the placement plan in force.", (), (), "placement"),
+    ("tokenmux_catalog_changes_total", "counter", "Changes of the live model catalog (kind: add, update, remove, "
+     "failed).", ("kind",), (), "placement"),
     ("tokenmux_ingress_requests_total", "counter", "Requests through the OpenAI ingress, by outcome.",
      ("model", "outcome"), (), "ingress"),
     ("tokenmux_slo_requests_total", "counter", "Finished requests judged against their SLO (met: true|false).",

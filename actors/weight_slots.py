@@ -93,6 +93,27 @@ class WeightSlots:
         self.host.flat(model)
         self.layouts[model] = layout
 
+    def remove_model(self, model: str, evict_host: bool = False) -> None:
+        """Forget `model`: its slot is free again, its views dropped, its host-cache mapping released
+        here (and its node-wide file unlinked with `evict_host`: nobody on the node serves it any more)."""
+        self._layout(model)
+        inflight = self._inflight.pop(model, None)
+        if inflight is not None:   # a copy still writing into the slot: let it end before the slot is reused
+            inflight.wait()
+        slot = self._lru.pop(model, None) if inflight is None else inflight.slot
+        if slot is not None and self._slot_model[slot] == model:
+            self._slot_model[slot] = None
+        for key in [k for k in self._views if k[1] == model]:
+            del self._views[key]
+        if self._current == model:
+            self._current = None
+        self._copy_s.pop(model, None)
+        del self.layouts[model]
+        if evict_host:
+            self.host.evict(model)
+        else:
+            self.host.forget(model)
+
     def resident(self) -> set[str]:
         if self._inflight:
             self._settle()

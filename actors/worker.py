@@ -211,8 +211,26 @@ class DeviceWorker:
         freeze_heap(collect=False)   # the model's long-lived state joins the frozen heap
         return registered
 
-    async def unregister_model(self, name: str) -> None:
-        await self._on_engine(self.engine.unregister_model, name)
+    async def unregister_model(self, name: str, evict_host: bool = False) -> None:
+        """Free the model's slot, KV view and host-cache mapping here (`evict_host`: the node's
+        cache file too, for a model leaving the catalog); refused while it has requests here."""
+        await self._on_engine(self.engine.unregister_model, name, evict_host)
+
+    async def cut_model(self, name: str, reason: str) -> int:
+        """End every request of `name` here with an explicit error frame naming `reason` (a removed
+        model whose drain ran out); returns how many were cut."""
+        def cut() -> list[str]:
+            ids = self.engine.requests_of(name)
+            for request_id in ids:
+                self.engine.abort(request_id)
+            return ids
+
+        ids = await self._on_engine(cut)
+        for request_id in ids:
+            buffer = self.buffers.get(request_id)
+            if buffer is not None:
+                buffer.push(error_frame(request_id, self.worker_id, ValueError(reason)))
+        return len(ids)
 
     async def set_role(self, role: str) -> None:
         if role not in ROLES:

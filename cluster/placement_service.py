@@ -31,7 +31,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.control_metrics import PlacementMetrics
-from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, LoadReport, WorkerView
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, WorkerView
+from cluster.status import LoadReport
 from scheduler.placement import (ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes,
                                  routable_now)
 from scheduler.slo import SLO
@@ -68,12 +69,42 @@ class PlacementService:
         for name, source in (models or {}).items():
             self._paths[name], self._infos[name] = model_entry(name, source)
         self._slos = dict(slos or {})
+        self._adopt_stored_catalog()
         self._interval_s = interval_s
         self._router = router
         self._plan: PlacementPlan | None = None
         self._lock = asyncio.Lock()
         self._loop_task: asyncio.Task | None = None
         self._metrics = PlacementMetrics()
+
+    def _adopt_stored_catalog(self) -> None:
+        """The live catalog, when one is stored, over the models this was constructed with: Ray
+        restarts this actor in place with its first arguments (the deployed config's models), and
+        models added, updated or removed since must not be lost or come back (cluster/catalog_store.py)."""
+        from cluster.catalog_store import CatalogStore
+
+        try:
+            catalog = CatalogStore().load()
+        except Exception as exc:   # no GCS to read (a test without Ray): the arguments stand
+            logger.info("placement: no stored catalog read (%s); serving the configured models", exc)
+            return
+        if catalog is None:
+            return
+        placed = catalog.placed()
+        default = next(iter(self._slos.values()), None)
+        self._paths = {k: p for k, p in self._paths.items() if k in placed}
+        self._infos = {k: i for k, i in self._infos.items() if k in placed}
+        for key, path in placed.items():
+            if key not in self._infos:
+                self._paths[key], self._infos[key] = model_entry(key, path)
+        for entry in catalog.entries.values():
+            base = self._slos.get(entry.key) or default or SLO()
+            self._slos[entry.key] = SLO(entry.ttft_s or base.ttft_s, entry.tbt_s or base.tbt_s)
+        self._slos = {k: s for k, s in self._slos.items() if k in placed}
+
+    def models(self) -> dict[str, str]:
+        """Key -> checkpoint dir of every model this service places."""
+        return dict(self._paths)
 
     async def start(self) -> None:
         """Attach to the router and start the periodic replan (idempotent)."""
@@ -154,8 +185,9 @@ class PlacementService:
 
     async def _unregister(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
         todo = [(w, m) for w, m in plan_changes(plan, views).unregister if w in handles]
+        # a model no longer placed anywhere (removed from the catalog) leaves the node's host cache too
         results = await asyncio.gather(
-            *(handles[w].unregister_model.remote(m) for w, m in todo), return_exceptions=True)
+            *(handles[w].unregister_model.remote(m, m not in self._infos) for w, m in todo), return_exceptions=True)
         for (w, m), result in zip(todo, results):
             if isinstance(result, BaseException) and not isinstance(result, RayActorError):
                 logger.info("placement: unregister_model(%s) on %s deferred: %s", m, w, result)

@@ -1,6 +1,6 @@
 """GlobalRouter: one per cluster; picks a worker for each new request, never touches tokens.
 
-The ingress asks `pick(model)` and gets `(worker_id, handle)`, then streams from
+The ingress asks `pick(model)` and gets a `WorkerPick` (worker_id, handle), then streams from
 `handle.generate` itself, and calls `release(worker_id, model)` when the request ends.
 So the router sits on one call per request, not on the per-token path.
 
@@ -8,7 +8,7 @@ State: the worker handles, each worker's latest `WorkerStats` (polled every
 `poll_interval_s`; its measured decode step time is what "SLO headroom" is computed from),
 the requests dispatched and not yet released (`LoadTracker`), and the PlacementPlan pushed
 by the PlacementService. The decision itself is `scheduler.routing.RoutingPolicy`. What
-goes in and out is typed (scheduler/messages.py): LoadReport to placement, PlacementPlan
+goes in and out is typed (cluster/status.py, scheduler/messages.py): LoadReport to placement, PlacementPlan
 from it, DecodeTarget to a prefill worker, RouterStatus to operators.
 
 A worker whose stats call fails with RayActorError (it died) is removed from routing; one
@@ -32,7 +32,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from actors.heap import freeze_heap
 from cluster.control_metrics import RouterMetrics
-from scheduler.messages import ROUTER_NAME, DecodeTarget, LoadReport, RouterStatus, WorkerStats
+from scheduler.messages import ROUTER_NAME, DecodeTarget, WorkerStats
+from cluster.status import LoadReport, RouterStatus
 from scheduler.placement import PlacementPlan, observed_load
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.slo import SLO
@@ -40,6 +41,15 @@ from scheduler.slo import SLO
 logger = logging.getLogger(__name__)
 
 REBUILD_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerPick:
+    """The worker chosen for a new request (producer: GlobalRouter.pick): the caller streams from
+    `handle` itself and releases the request's count at the router when it ends."""
+
+    worker_id: str
+    handle: Any
 
 
 @dataclass
@@ -98,8 +108,8 @@ class GlobalRouter:
 
     # ---- routing ---------------------------------------------------------------------
 
-    async def pick(self, model: str, slo: SLO | None = None, request_id: str | None = None) -> tuple[str, Any]:
-        """Worker for a new request of `model`: (worker_id, handle). Raises NoWorkerError.
+    async def pick(self, model: str, slo: SLO | None = None, request_id: str | None = None) -> WorkerPick:
+        """Worker for a new request of `model`. Raises NoWorkerError.
 
         With `request_id` the count is the request's: a second pick for it (the caller retried a
         call that had run here but whose answer was lost, as ActorUnavailableError allows around
@@ -127,7 +137,7 @@ class GlobalRouter:
                 self._tracker.released(*previous)
             self._picked[request_id] = (worker_id, model)
         self._tracker.dispatched(worker_id, model, time.monotonic())
-        return worker_id, handle
+        return WorkerPick(worker_id, handle)
 
     async def pick_decode(self, model: str, slo: SLO | None = None) -> DecodeTarget:
         """Decode worker to hand a prefilled request's KV to (the KV handoff target)."""
@@ -265,4 +275,4 @@ def get_or_create_router(detached: bool = False, **kwargs):
     return GlobalRouter.options(**options).remote(**kwargs)
 
 
-__all__ = ["GlobalRouter", "NoWorkerError", "ROUTER_NAME", "get_or_create_router"]
+__all__ = ["GlobalRouter", "NoWorkerError", "ROUTER_NAME", "WorkerPick", "get_or_create_router"]

@@ -14,7 +14,7 @@ Each tick of the topology's watcher (after `refresh_nodes`) runs `Supervisor.tic
                  placement registers models on it per its plan. Requests that were on it are
                  continued elsewhere by the ingress (deploy/serve_app/cluster_engine.py).
 
-Every replacement is kept as a WorkerReplacement (scheduler/messages.py) for `tokenmux status`.
+Every replacement is kept as a WorkerReplacement (cluster/status.py) for `tokenmux status`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Any
 
-from scheduler.messages import WorkerHealth, WorkerReplacement
+from scheduler.messages import WorkerHealth
+from cluster.status import WorkerReplacement
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.metrics import MetricsExporter
+from cluster.catalog_store import CatalogStore
 from cluster.node_watcher import NodeWatcher
 from cluster.placement_service import get_or_create_placement
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
 from cluster.supervisor import Supervisor
-from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, ClusterStatus, WorkerDown, WorkerStats
+from cluster.status import ClusterStatus, WorkerDown
+from scheduler.catalog import ModelCatalog
+from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, WorkerStats
 from scheduler.placement import PlacementConfig
 from scheduler.routing import RoutingConfig
 from scheduler.slo import SLO
@@ -104,6 +108,32 @@ class TopologyConfig:
             raise ValueError(f"TopologyConfig: {exc}") from None
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one DeviceWorker is started with (worker_specs; a replacement copies its device's)."""
+
+    worker_id: str
+    node_id: str
+    engine: "EngineConfig"
+    num_threads: int
+    shared_kv: bool
+    step_bound_s: float
+    engine_nice: int
+    device_id: str = ""   # the device it runs on, named by its first worker (a replacement keeps it)
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or not self.node_id:
+            raise ValueError(f"a worker needs an id and a node, got {self.worker_id!r} on {self.node_id!r}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not self.device_id:
+            object.__setattr__(self, "device_id", self.worker_id)
+
+    def replacement(self, num: int) -> "WorkerSpec":
+        """The spec of the `num`th worker started on this device in place of a dead one."""
+        return dataclasses.replace(self, worker_id=f"{self.device_id}-r{num}")
+
+
 class Topology:
     """Handles of a running cluster. Created by bring_up (owns its actors) or connect_existing."""
 
@@ -113,8 +143,8 @@ class Topology:
         self.config = config
         self.workers: dict[str, Any] = {}        # worker_id -> DeviceWorker handle
         self.worker_nodes: dict[str, str] = {}   # worker_id -> node_id
-        self.specs: dict[str, dict] = {}         # worker_id -> what it was started with (worker_specs)
-        self.vacant: dict[str, dict] = {}        # retired worker_id -> its spec, until a replacement starts
+        self.specs: dict[str, WorkerSpec] = {}   # worker_id -> what it was started with (worker_specs)
+        self.vacant: dict[str, WorkerSpec] = {}  # retired worker_id -> its spec, until a replacement starts
         self._owned = owned                      # kill router/placement on shutdown
         self._lock = threading.RLock()
         self._watcher: NodeWatcher | None = None
@@ -138,10 +168,10 @@ class Topology:
             for wid in gone:
                 ray.get(self.router.remove_worker.remote(wid), timeout=CALL_TIMEOUT_S)
                 self._forget(wid)
-            for wid in [w for w, spec in self.vacant.items() if spec["node_id"] not in nodes]:
+            for wid in [w for w, spec in self.vacant.items() if spec.node_id not in nodes]:
                 del self.vacant[wid]
             added = []
-            known = set(self.worker_nodes.values()) | {spec["node_id"] for spec in self.vacant.values()}
+            known = set(self.worker_nodes.values()) | {spec.node_id for spec in self.vacant.values()}
             for node in nodes.values():
                 if node.node_id not in known:
                     added += self._start_node(node)
@@ -196,10 +226,8 @@ class Topology:
             spec = self.vacant.get(worker_id)
             if spec is None:
                 return None
-            device_id = spec.get("device_id", worker_id)
-            self.num_replaced[device_id] = self.num_replaced.get(device_id, 0) + 1
-            new_spec = {**spec, "device_id": device_id,
-                        "worker_id": f"{device_id}-r{self.num_replaced[device_id]}"}
+            self.num_replaced[spec.device_id] = self.num_replaced.get(spec.device_id, 0) + 1
+            new_spec = spec.replacement(self.num_replaced[spec.device_id])
             try:
                 self._start_workers([new_spec])
             except Exception as exc:   # no resource yet (the old one still releasing it), node going away
@@ -207,7 +235,7 @@ class Topology:
                 return None
             del self.vacant[worker_id]
         self._replan()
-        return new_spec["worker_id"]
+        return new_spec.worker_id
 
     def rejoin(self, worker_ids: list[str]) -> None:
         """Give a router that came back empty these workers again (it asks each for its stats)."""
@@ -264,9 +292,11 @@ class Topology:
                 workers[wid] = WorkerDown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         for wid in list(self.vacant):
             workers.setdefault(wid, WorkerDown("retired by the supervisor; its replacement is starting"))
+        catalog = CatalogStore().load()
         return ClusterStatus(workers, ray.get(self.placement.plan.remote(), timeout=CALL_TIMEOUT_S),
                              ray.get(self.router.status.remote(), timeout=CALL_TIMEOUT_S),
-                             replacements=self.supervisor.replacements() if self.supervisor else ())
+                             replacements=self.supervisor.replacements() if self.supervisor else (),
+                             catalog=catalog.to_dict() if catalog is not None else {})
 
     # ---- teardown --------------------------------------------------------------------
 
@@ -300,14 +330,14 @@ class Topology:
         """Start, await and register the workers of one node; returns their ids."""
         return self._start_workers(worker_specs(node, self.config))
 
-    def _start_workers(self, specs: list[dict]) -> list[str]:
+    def _start_workers(self, specs: list[WorkerSpec]) -> list[str]:
         """Start, await and register workers of one node (from worker_specs); returns their ids."""
         import ray
 
         if not specs:
             return []
-        node_id = specs[0]["node_id"]
-        handles = {s["worker_id"]: _spawn(s, self.config) for s in specs}
+        node_id = specs[0].node_id
+        handles = {s.worker_id: _spawn(s, self.config) for s in specs}
         refs = {wid: h.ready.remote() for wid, h in handles.items()}
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=READY_TIMEOUT_S)
         if pending:
@@ -319,9 +349,9 @@ class Topology:
         ray.get(ready)   # surface a constructor error
         ray.get([self.router.add_worker.remote(wid, h, node_id) for wid, h in handles.items()])
         for spec in specs:
-            self.workers[spec["worker_id"]] = handles[spec["worker_id"]]
-            self.worker_nodes[spec["worker_id"]] = node_id
-            self.specs[spec["worker_id"]] = spec
+            self.workers[spec.worker_id] = handles[spec.worker_id]
+            self.worker_nodes[spec.worker_id] = node_id
+            self.specs[spec.worker_id] = spec
         return list(handles)
 
     def _forget(self, worker_id: str) -> None:
@@ -334,7 +364,7 @@ class Topology:
             _kill(ray, handle)
 
 
-def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
+def worker_specs(node: NodeResources, config: TopologyConfig) -> list[WorkerSpec]:
     """What workers a node gets: id, node, device, threads, engine config."""
     gpus = int(node.num_gpus)
     count = gpus if config.devices_per_node is None else min(config.devices_per_node, gpus)
@@ -348,10 +378,9 @@ def worker_specs(node: NodeResources, config: TopologyConfig) -> list[dict]:
     threads = config.threads_per_worker or max(1, int(node.num_cpus) // count)
     engine_nice = config.engine_nice if config.engine_nice is not None else VIRTUAL_ENGINE_NICE if device == "cpu" else 0
     short = node.node_id[:8]
-    return [{"worker_id": f"{short}-gpu{i}", "node_id": node.node_id,
-             "engine": dataclasses.replace(config.engine, device=device), "num_threads": threads,
-             "shared_kv": config.shared_kv and device == "cpu", "step_bound_s": config.step_bound_s,
-             "engine_nice": engine_nice}
+    return [WorkerSpec(f"{short}-gpu{i}", node.node_id, dataclasses.replace(config.engine, device=device), threads,
+                       shared_kv=config.shared_kv and device == "cpu", step_bound_s=config.step_bound_s,
+                       engine_nice=engine_nice)
             for i in range(count)]
 
 
@@ -362,6 +391,9 @@ def bring_up(config: TopologyConfig) -> Topology:
     if not ray.is_initialized():
         raise ValueError("bring_up needs a connected Ray; call cluster.ray_runtime.connect_or_start() first")
     owned = not (_named_exists(ray, ROUTER_NAME) or _named_exists(ray, PLACEMENT_NAME))
+    if owned:   # a fresh cluster: its catalog is the config's models (deploying is adding them)
+        CatalogStore().save(ModelCatalog.of_models(config.models))
+        MetricsExporter().inc("tokenmux_catalog_changes_total", len(config.models), {"kind": "add"})
     router = get_or_create_router(detached=config.detached, routing_config=RoutingConfig(**config.routing))
     placement = start_placement(config, router)
     topology = Topology(router, placement, config, owned=owned)
@@ -417,20 +449,20 @@ def connect_existing(namespace: str | None = None) -> Topology:
     return topology
 
 
-def _spawn(spec: dict, config: TopologyConfig):
+def _spawn(spec: WorkerSpec, config: TopologyConfig):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from actors.worker import DeviceWorker
 
     options: dict = {"num_gpus": 1, "num_cpus": 0,
-                     "scheduling_strategy": NodeAffinitySchedulingStrategy(spec["node_id"], soft=False)}
+                     "scheduling_strategy": NodeAffinitySchedulingStrategy(spec.node_id, soft=False)}
     if config.detached:
         options["lifetime"] = "detached"
     return ray.remote(DeviceWorker).options(**options).remote(
-        spec["worker_id"], spec["engine"], num_threads=spec["num_threads"], node_id=spec["node_id"],
-        step_bound_s=spec["step_bound_s"], engine_nice=spec["engine_nice"],
-        **({"shared_kv": True} if spec["shared_kv"] else {}))
+        spec.worker_id, spec.engine, num_threads=spec.num_threads, node_id=spec.node_id,
+        step_bound_s=spec.step_bound_s, engine_nice=spec.engine_nice,
+        **({"shared_kv": True} if spec.shared_kv else {}))
 
 
 def sweep_stale_kv_files(shm_dir: str = "/dev/shm") -> list[str]:

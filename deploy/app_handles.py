@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.messages import ClusterStatus
+    from cluster.status import ClusterStatus
 
 
 class NothingRunning(Exception):

@@ -1,7 +1,6 @@
 """Typed messages that cross process and actor boundaries: one schema, one producer each.
 
-    data plane     IngressRequest    in-cluster caller -> ingress  (deploy/client/transports.py, a Serve handle)
-                   GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
+    data plane     GenerateRequest   ingress -> worker             (deploy/serve_app/cluster_engine.py)
                    OutputFrame       worker -> ingress, per frame  (actors/engine.py, actors/worker.py); a
                                      handed-off request's frames come straight from its decode worker
                    HandoffState      prefill worker -> decode worker, with the KV descriptor (actors/engine.py)
@@ -9,55 +8,30 @@
     control plane  RegisteredModel   worker -> placement           (actors/engine.py register_model)
                    WorkerStats       worker -> router, status      (actors/worker.py; EngineStats: actors/engine.py)
                    WorkerView        router's snapshot of a worker (scheduler/routing.py, from WorkerStats)
-                   LoadReport        router -> placement           (cluster/router.py)
                    PlacementPlan     placement -> router           (scheduler/placement.py, the plan update)
-                   RouterStatus      router -> status              (cluster/router.py)
                    WorkerHealth      worker -> supervisor          (actors/worker.py, the watchdog)
                    WorkerTelemetry   worker -> `status --watch`    (actors/worker_metrics.py, with a DeviceReading)
                    StepRecord        worker -> load tests, demo    (actors/engine.py, the timeline: one per step)
-                   WorkerReplacement supervisor -> status          (cluster/supervisor.py)
-                   ClusterStatus     topology -> `tokenmux status` (cluster/topology.py)
 
 Only diffs travel: a request is sent once; afterwards each OutputFrame carries just the
 tokens produced since the previous frame (never one actor call per token). Ray carries the
 dataclasses themselves; `to_dict` (and `from_dict` where a reader needs one) gives the
 plain form for msgpack and JSON. A consumer reads fields, never keys a producer may not
 write: a drifted key once left the router blind to every worker's step time.
+
+What the control plane says to itself and to operators (LoadReport, RouterStatus,
+ClusterStatus, ...) is in cluster/status.py; the HTTP edge's own request (IngressRequest) in
+deploy/openai_api/protocol.py: each beside its readers.
 """
 from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO
-
-if TYPE_CHECKING:
-    from scheduler.placement import ModelLoad, PlacementPlan
-
-
-# The OpenAI routes an in-cluster caller may name, as the HTTP edge serves them.
-INGRESS_ENDPOINTS = ("completions", "chat.completions")
-
-
-@dataclass(frozen=True)
-class IngressRequest:
-    """An OpenAI request for the ingress's `generate_frames` over a Serve handle (producer: the
-    client's handle transports, deploy/client/transports.py). `body` is the OpenAI request body
-    as HTTP carries it; the answer is the chunks the SSE stream carries (an error: one chunk
-    with its `status`)."""
-
-    endpoint: str
-    body: Mapping[str, Any]
-
-    def __post_init__(self) -> None:
-        if self.endpoint not in INGRESS_ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {', '.join(INGRESS_ENDPOINTS)}; got {self.endpoint!r}")
-        if not isinstance(self.body, Mapping):
-            raise ValueError(f"body must be a mapping (the OpenAI request body), got {type(self.body).__name__}")
-        object.__setattr__(self, "body", dict(self.body))
 
 
 @dataclass(frozen=True)
@@ -137,6 +111,8 @@ class OutputFrame:
     error: str | None = None
     num_prompt_tokens: int = 0
     worker_id: str | None = None
+    # The model version that served it (the live catalog's fingerprint, name@vN): set at the edge.
+    model_version: str | None = None
     # Set on a prefill worker's last frame: the request goes on at this decode worker, whose
     # `generate_prefilled(request_id)` the reader opens (actors/frame_stream.py follows it).
     moved_to: DecodeTarget | None = None
@@ -361,35 +337,6 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
-class LoadReport:
-    """What the PlacementService plans from (producer: GlobalRouter.load_report)."""
-
-    workers: tuple[WorkerView, ...]
-    load: Mapping[str, "ModelLoad"]     # per model: arrival rate, queued, running
-
-
-@dataclass(frozen=True)
-class RouterStatus:
-    """The router's state for operators (producer: GlobalRouter.status)."""
-
-    workers: Mapping[str, WorkerView]
-    pending: Mapping[str, int]          # dispatched and not released, per model
-    servable: tuple[str, ...]
-    plan_version: int | None = None
-
-    def to_dict(self) -> dict:
-        return {"workers": {w: v.to_dict() for w, v in self.workers.items()}, "pending": dict(self.pending),
-                "servable": list(self.servable), "plan_version": self.plan_version}
-
-
-@dataclass(frozen=True)
-class WorkerDown:
-    """A worker that did not answer `stats()` for a status."""
-
-    error: str
-
-
-@dataclass(frozen=True)
 class WorkerHealth:
     """Whether a worker's engine loop is alive and stepping (producer: DeviceWorker.health, which
     answers off the engine thread; read by cluster/supervisor.py)."""
@@ -460,47 +407,3 @@ class StepRecord:
     @property
     def seconds(self) -> float:
         return self.end - self.start
-
-
-@dataclass(frozen=True)
-class WorkerReplacement:
-    """A dead or unhealthy worker and the one started on its device in its place
-    (producer: cluster/supervisor.py; shown by `tokenmux status`)."""
-
-    worker_id: str                  # the worker that died or was killed as unhealthy
-    reason: str
-    noticed_at: float               # wall clock (time.time()) when the supervisor noticed
-    replacement_id: str | None = None   # None: not replaced yet (starting, or its node is gone)
-    replaced_s: float | None = None     # from noticing to the replacement taking requests
-
-    def __post_init__(self) -> None:
-        if not self.worker_id:
-            raise ValueError("worker_id must be non-empty")
-        if self.replaced_s is not None and (self.replaced_s < 0 or self.replacement_id is None):
-            raise ValueError(f"replaced_s must be >= 0 and come with a replacement_id, got {self.replaced_s!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ClusterStatus:
-    """Workers, the placement plan and the router of one cluster (producer: Topology.status),
-    shown by `tokenmux status`."""
-
-    workers: Mapping[str, WorkerStats | WorkerDown]
-    plan: "PlacementPlan | None"
-    router: RouterStatus
-    models: Mapping[str, str] = field(default_factory=dict)   # name -> checkpoint dir (the Serve app adds them)
-    policy: str | None = None
-    replacements: tuple[WorkerReplacement, ...] = ()   # dead workers and their replacements, oldest first
-
-    def alive(self) -> dict[str, WorkerStats]:
-        return {w: s for w, s in self.workers.items() if isinstance(s, WorkerStats)}
-
-    def to_dict(self) -> dict:
-        workers = {w: ({"alive": True, **s.to_dict()} if isinstance(s, WorkerStats) else
-                       {"alive": False, "error": s.error}) for w, s in self.workers.items()}
-        return {"workers": workers, "plan": self.plan.to_dict() if self.plan else None,
-                "router": self.router.to_dict(), "models": dict(self.models), "policy": self.policy,
-                "replacements": [r.to_dict() for r in self.replacements]}

@@ -8,12 +8,40 @@ from typing import Any, AsyncIterator
 import torch
 
 from actors.output_stream import OutputAssembler
-from deploy.openai_api.engine_protocol import ServedModel, TokenizerCache
+from deploy.openai_api.admission import Ticket
+from deploy.openai_api.engine_protocol import EngineClient, ServedModel, TokenizerCache
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 from scheduler.request import Request, RequestStatus
 
 
-class FakeEngineClient:
+class FakeStream:
+    """A fake engine's stream of one request, holding its ticket as EngineClient.generate asks:
+    `first_token()` at its first frame, `release()` when it ends or is closed."""
+
+    def __init__(self, frames: AsyncIterator[OutputFrame], ticket: Ticket | None) -> None:
+        self._frames = frames
+        self._ticket = ticket
+
+    def __aiter__(self) -> "FakeStream":
+        return self
+
+    async def __anext__(self) -> OutputFrame:
+        try:
+            frame = await self._frames.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+        if self._ticket is not None:
+            self._ticket.first_token()
+        return frame
+
+    async def aclose(self) -> None:
+        await self._frames.aclose()
+        if self._ticket is not None:
+            self._ticket.release()
+
+
+class FakeEngineClient(EngineClient):
     """TEST DOUBLE, not an engine: emits the prompt's own token ids, cyclically.
 
     Output is deterministic (token k = prompt[k % len(prompt)]); it honours max_tokens,
@@ -48,7 +76,11 @@ class FakeEngineClient:
         info = self._models[model]
         return self._tokenizers.get(model, info.path)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+    def generate(self, req: GenerateRequest, ticket: Ticket | None = None) -> FakeStream:
+        return FakeStream(self.frames(req), ticket)
+
+    async def frames(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+        """The request's frames (what a subclass changes)."""
         self.seen.append(req)
         self.active.add(req.request_id)
         finished = False

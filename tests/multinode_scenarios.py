@@ -56,7 +56,8 @@ async def collect(handle, rid, model, max_tokens=MAX_TOKENS) -> list[dict]:
 
 
 async def routed(router, rid, model, max_tokens=MAX_TOKENS, slo=None) -> tuple[str, list[int], str | None]:
-    wid, handle = await router.pick.remote(model, slo)
+    picked = await router.pick.remote(model, slo)
+    wid, handle = picked.worker_id, picked.handle
     try:
         frames = await collect(handle, rid, model, max_tokens)
     finally:

@@ -15,7 +15,7 @@ from deploy.openai_api.admission import Admission, AdmissionConfig
 from deploy.openai_api.config import IngressConfig
 from deploy.openai_api.errors import OpenAIError
 from deploy.openai_api.ingress import OpenAIIngress
-from scheduler.messages import IngressRequest
+from deploy.openai_api.protocol import IngressRequest
 from edge_helpers import MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine, running_server
 
 
@@ -333,13 +333,13 @@ def test_a_request_admission_refuses_is_refused_before_it_is_tokenised():
         with pytest.raises(OpenAIError) as info:
             await ingress.prepare("completions", json.dumps(body))
         assert info.value.status == 429 and len(tokenized) == 1   # refused, never tokenised
-        first.ticket.release()
+        await first.frames.aclose()   # the request ends: its place is given back
         empty = {**body, "prompt": ""}
         with pytest.raises(OpenAIError) as info:   # admitted, then found invalid: its place is given back
             await ingress.prepare("completions", json.dumps(empty))
         assert info.value.status == 400 and ingress.admission.waiting(MODEL) == 0
         second = await ingress.prepare("completions", json.dumps(body))   # room again: tokenised as before
         assert len(tokenized) == 3 and ingress.admission.waiting(MODEL) == 1
-        second.ticket.release()
+        await second.frames.aclose()
 
     asyncio.run(run())

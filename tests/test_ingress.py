@@ -14,7 +14,8 @@ from deploy.openai_api.ingress import OpenAIIngress
 from deploy.openai_api.config import IngressConfig
 from edge_helpers import (MAX_CONTEXT, MAX_TOKENS_CAP, MODEL, OTHER_MODEL, expected_output, make_engine,
                           running_server, wait_until, zoo_models)
-from scheduler.messages import IngressRequest, OutputFrame
+from scheduler.messages import OutputFrame
+from deploy.openai_api.protocol import IngressRequest
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +310,7 @@ def test_generate_frames_is_the_stream_for_in_cluster_callers(engine, tok):
 class _TruncatingEngine(FakeEngineClient):
     """An engine whose stream ends without a finished frame (a bug the ingress must report)."""
 
-    async def generate(self, req):
+    async def frames(self, req):
         yield OutputFrame(req.request_id, token_ids=[5], text="x", token_times=[time.time()])
 
 

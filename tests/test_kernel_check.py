@@ -35,7 +35,8 @@ def test_the_check_passes_for_paths_that_agree_and_names_requests_that_differ(mo
 
 def test_a_failing_or_mismatching_fast_path_falls_back_with_a_warning(monkeypatch):
     from deploy.cli.commands import format_status
-    from scheduler.messages import ClusterStatus, RouterStatus, WorkerStats
+    from scheduler.messages import WorkerStats
+    from cluster.status import ClusterStatus, RouterStatus
 
     kernel_check._checked_on.cache_clear()
     monkeypatch.setattr(kernel_check, "compare_paths", lambda device: [1])

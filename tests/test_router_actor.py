@@ -40,7 +40,7 @@ def _fake_worker_class(ray):
             self.registered.add(name)
             return RegisteredModel(name, path, "LlamaForCausalLM", 256, GB, 1024)
 
-        def unregister_model(self, name):
+        def unregister_model(self, name, evict_host=False):
             self.calls.append(("unregister", name))
             self.registered.discard(name)
             self.resident.discard(name)
@@ -90,7 +90,8 @@ def cluster(ray_session, fake_workers):
 
 def test_pick_prefers_resident_worker_and_release_clears_pending(cluster):
     ray, router, workers = cluster
-    wid, handle = ray.get(router.pick.remote("a"))
+    picked = ray.get(router.pick.remote("a"))
+    wid, handle = picked.worker_id, picked.handle
     assert wid == "w0"
     assert ray.get(handle.stats.remote()).worker_id == "w0"   # the handle is the worker's own
     assert ray.get(router.status.remote()).pending == {"a": 1}
@@ -103,7 +104,7 @@ def test_a_pick_repeated_for_the_same_request_is_counted_once(cluster):
     restart) must not leave a count nobody releases: counted by request id, released once."""
     ray, router, _ = cluster
     for _ in range(3):
-        wid, _ = ray.get(router.pick.remote("a", None, "req-1"))
+        wid = ray.get(router.pick.remote("a", None, "req-1")).worker_id
     ray.get(router.pick.remote("a", None, "req-2"))
     assert ray.get(router.status.remote()).pending == {"a": 2}
     ray.get(router.release.remote(wid, "a", "req-1"))
@@ -123,7 +124,7 @@ def test_load_spreads_when_the_resident_worker_is_busy(cluster):
     ray, router, workers = cluster
     ray.get(workers["w0"].set_queue.remote("a", 200))   # 200 x 10 ms queue: no TTFT headroom left
     assert poll_until(lambda: ray.get(router.status.remote()).workers["w0"].load == 200)
-    picked = [ray.get(router.pick.remote("a", SLO(ttft_s=2.0, tbt_s=0.1)))[0] for _ in range(6)]
+    picked = [ray.get(router.pick.remote("a", SLO(ttft_s=2.0, tbt_s=0.1))).worker_id for _ in range(6)]
     assert "w0" not in picked and set(picked) == {"w1", "w2"}
 
 
@@ -133,13 +134,13 @@ def test_killed_worker_is_removed_and_requests_go_to_the_others(cluster):
     ray.get(router.add_worker.remote("w3", doomed, "n1"))
     ray.get(workers["w0"].set_queue.remote("a", 3))   # so w3 (resident, idle) is the best for `a`
     assert poll_until(lambda: ray.get(router.status.remote()).workers["w0"].load == 3)
-    assert ray.get(router.pick.remote("a"))[0] == "w3"
+    assert ray.get(router.pick.remote("a")).worker_id == "w3"
     ray.kill(doomed)
     assert poll_until(lambda: "w3" not in ray.get(router.status.remote()).workers)
     status = ray.get(router.status.remote())
     assert status.pending == {}          # its in-flight request is forgotten with it
     assert "e" not in status.servable    # only w3 held it
-    picked = {ray.get(router.pick.remote("a"))[0] for _ in range(5)}
+    picked = {ray.get(router.pick.remote("a")).worker_id for _ in range(5)}
     assert picked and picked <= {"w0", "w1", "w2"}
     with pytest.raises(NoWorkerError, match="a, b, c"):
         ray.get(router.pick.remote("e"))
@@ -155,11 +156,11 @@ def test_report_failure_removes_a_dead_worker_at_once(ray_session, fake_workers)
     try:
         ray.get([router.add_worker.remote("w3", doomed, "n0"),
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
-        assert ray.get(router.pick.remote("a"))[0] == "w3"
+        assert ray.get(router.pick.remote("a")).worker_id == "w3"
         ray.kill(doomed)
         assert poll_until(lambda: ray.get(router.report_failure.remote("w3")) or
                            "w3" not in ray.get(router.status.remote()).workers)
-        assert all(ray.get(router.pick.remote("a"))[0] == "w1" for _ in range(3))
+        assert all(ray.get(router.pick.remote("a")).worker_id == "w1" for _ in range(3))
         assert not ray.get(router.report_failure.remote("w1"))
     finally:
         ray.kill(router)
@@ -185,7 +186,7 @@ def test_placement_service_registers_plans_and_scales_a_hot_model_out_and_in(clu
         assert ("register", "d", "/models/d") in ray.get(workers[d_holder].get_calls.remote())
         # The router routes by the plan: `d` goes to its planned worker.
         assert poll_until(lambda: sorted(ray.get(router.status.remote()).workers[d_holder].registered).count("d") == 1)
-        assert ray.get(router.pick.remote("d"))[0] == d_holder
+        assert ray.get(router.pick.remote("d")).worker_id == d_holder
         ray.get(router.release.remote(d_holder, "d"))
 
         # Burst on `a`: its queue grows on its worker; the next replan gives it the replicas its
@@ -225,7 +226,7 @@ def test_placement_service_splits_roles_under_load(cluster):
         # New requests go to a prefill worker, the KV handoff target is a decode worker.
         assert poll_until(lambda: {v.role for v in ray.get(router.status.remote()).workers.values()}
                            == {"prefill", "decode"})
-        wid, _ = ray.get(router.pick.remote("a"))
+        wid = ray.get(router.pick.remote("a")).worker_id
         assert plan.roles[wid] == "prefill"
         assert plan.roles[ray.get(router.pick_decode.remote("a"))[0]] == "decode"
     finally:
@@ -242,13 +243,13 @@ def test_unresponsive_worker_is_skipped_until_it_answers_again(ray_session, fake
     try:
         ray.get([router.add_worker.remote("w3", slow, "n0"),
                  router.add_worker.remote("w1", fake_workers["w1"], "n0")])
-        assert ray.get(router.pick.remote("a"))[0] == "w3"
+        assert ray.get(router.pick.remote("a")).worker_id == "w3"
         hung = slow.hang.remote(4.0)
         assert poll_until(lambda: not ray.get(router.status.remote()).workers["w3"].alive)
-        assert ray.get(router.pick.remote("a"))[0] == "w1"
+        assert ray.get(router.pick.remote("a")).worker_id == "w1"
         ray.get(hung)
         assert poll_until(lambda: ray.get(router.status.remote()).workers["w3"].alive)
-        assert ray.get(router.pick.remote("a"))[0] == "w3"
+        assert ray.get(router.pick.remote("a")).worker_id == "w3"
     finally:
         for h in (router, slow):
             ray.kill(h)

@@ -93,7 +93,8 @@ def test_request_through_router_streams_the_single_worker_greedy_output(topology
     prompt = [11, 400, 77, 1234, 9, 18, 600, 5, 42, 300, 17, 88, 1500, 3, 71, 20, 19]   # crosses a block
 
     async def run(model: str, rid: str) -> tuple[str, list]:
-        wid, handle = await topology.router.pick.remote(model)
+        picked = await topology.router.pick.remote(model)
+        wid, handle = picked.worker_id, picked.handle
         frames = []
         try:
             req = GenerateRequest(rid, model, prompt, SamplingParams(max_tokens=20, ignore_eos=True))

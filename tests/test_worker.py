@@ -172,7 +172,7 @@ def test_the_live_view_and_the_turn_plot_read_what_a_real_worker_sends(worker):
 
     from deploy.cli.status_watch import WatchState, render
     from load_tests.contenders import turns_from_timelines
-    from scheduler.messages import ClusterStatus, RouterStatus
+    from cluster.status import ClusterStatus, RouterStatus
 
     since = time.time()
     before = ray.get(worker.telemetry.remote())

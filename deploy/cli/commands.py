@@ -22,7 +22,7 @@ from deploy.local import undeploy
 from scheduler.policy_registry import POLICY_NAMES  # pure Python
 
 if TYPE_CHECKING:
-    from scheduler.messages import ClusterStatus
+    from cluster.status import ClusterStatus
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _join(address: str | None, verbose: bool = False) -> None:
 
 def format_status(status: "ClusterStatus") -> str:
     """A readable table: one row per worker, then the placement plan."""
-    from scheduler.messages import WorkerDown
+    from cluster.status import WorkerDown
 
     lines = [f"{'WORKER':<18} {'ROLE':<7} {'KV FREE':>7} {'STEP':>8}  {'RESIDENT':<28} {'REGISTERED':<36} "
              f"QUEUED/RUNNING"]
@@ -108,11 +108,27 @@ def format_status(status: "ClusterStatus") -> str:
         lines.append(f"  {model:<24} unplaceable: {why}")
     lines.append(f"servable: {', '.join(status.router.servable) or '-'}")
     lines.append(f"in flight: {dict(status.router.pending) or '-'}")
+    lines += _catalog_lines(status.catalog)
     for r in status.replacements:
         when = time.strftime("%H:%M:%S", time.localtime(r.noticed_at))
         after = f"replaced by {r.replacement_id} in {r.replaced_s:.1f}s" if r.replacement_id else "replacement starting"
         lines.append(f"{when} {r.worker_id} {r.reason}: {after}")
     return "\n".join(lines)
+
+
+def _catalog_lines(catalog) -> list[str]:
+    """The live catalog: each model's version, the versions still draining, the last changes."""
+    if not catalog:
+        return []
+    lines = ["", f"catalog r{catalog.get('revision', 0)}:"]
+    for name, e in sorted(catalog.get("models", {}).items()):
+        lines.append(f"  {name:<24} {e['fingerprint']:<28} {e['path']}")
+    for key in sorted(catalog.get("retiring", {})):
+        lines.append(f"  {key:<24} retiring (draining its requests)")
+    for event in catalog.get("events", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        lines.append(f"  {when} {event['kind']:<8} {event['model']} {event['detail']}")
+    return lines
 
 
 def run_status(ns: argparse.Namespace) -> int:

@@ -239,6 +239,12 @@ def _status_parser(parser: argparse.ArgumentParser) -> None:
     configure_status(parser)
 
 
+def _models_parser(parser: argparse.ArgumentParser) -> None:
+    from deploy.cli.models_command import configure_models
+
+    configure_models(parser)
+
+
 def _shutdown_parser(parser: argparse.ArgumentParser) -> None:
     from deploy.cli.commands import configure_shutdown
 
@@ -268,6 +274,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "serve": ("deploy the OpenAI-compatible app (local Ray with virtual devices if none) and print its URL",
               _serve_parser),
     "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
+    "models": ("the live catalog of the running app: add, update, remove or list models", _models_parser),
     "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
     "bench": ("benchmarks (engine, cluster, colocate, sim, chaos, first-use)", _bench_parser),
     "metrics": ("Prometheus scrape config over Ray's service discovery; the metric names", _metrics_parser),

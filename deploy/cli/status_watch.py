@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.messages import ClusterStatus, WorkerTelemetry
+    from scheduler.messages import WorkerTelemetry
+    from cluster.status import ClusterStatus
 
 RATES = ("generation_tokens", "swaps", "switches")   # totals shown per second
 
@@ -59,7 +60,7 @@ def render(status: "ClusterStatus", telemetry: dict[str, "WorkerTelemetry"], rat
     from rich.table import Table
 
     from actors.device_memory import format_bytes
-    from scheduler.messages import WorkerDown
+    from cluster.status import WorkerDown
 
     table = Table(title=f"tokenmux  {time.strftime('%H:%M:%S')}  policy {status.policy or '-'}  "
                         f"plan v{status.plan.version if status.plan else '-'}", expand=False)

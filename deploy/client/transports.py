@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Iterator
 
 import httpx
 
-from scheduler.messages import IngressRequest
+from deploy.openai_api.protocol import IngressRequest
 
 _PATHS = {"completions": "/v1/completions", "chat.completions": "/v1/chat/completions"}
 

@@ -34,9 +34,10 @@ on its own), in three cases, and in no other:
 Each request is admitted once (`admit`), by the ingress, as soon as its model and SLO are
 parsed and before it is tokenised, so a refusal costs no tokenising; a request found invalid
 after that gives its place back. Counts are per ingress replica (with R replicas the bounds are
-R times larger), kept on its event loop. A `Ticket` follows one accepted request; `release()`
-(also on garbage collection, for a stream whose body never ran) returns its place. Accepted
-requests are never dropped later.
+R times larger), kept on its event loop. A `Ticket` follows one accepted request; its one
+owner, the engine's stream of the request (EngineClient.generate: ClusterEngineClient's
+RequestState), calls `release()` once the request ends or is closed, whether or not it ever
+ran; nothing is left to the garbage collector. Accepted requests are never dropped later.
 """
 from __future__ import annotations
 
@@ -273,12 +274,10 @@ class Ticket:
                 self._admission.started(now > self.deadline, self)
 
     def release(self) -> None:
+        """Give the place back; a second call does nothing (its owner may end and be closed)."""
         if self._released:
             return
         self._released = True
         if not self._started:
             self._queue.left_waiting()
         self._admission.released()
-
-    def __del__(self) -> None:
-        self.release()

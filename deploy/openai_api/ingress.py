@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -26,9 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.openai_api.admission import Admission, Ticket
+from deploy.openai_api.admission import Admission
 from deploy.openai_api.auth import APIKeyMiddleware
-from deploy.openai_api.engine_protocol import EngineClient
+from deploy.openai_api.engine_protocol import EngineClient, EngineStream
 from deploy.openai_api.errors import OpenAIError, from_validation_error, invalid, request_too_large, server_error
 from deploy.openai_api.config import IngressConfig
 from deploy.openai_api.openapi import add_request_schemas, error_responses, generate_route
@@ -36,7 +37,8 @@ from deploy.openai_api.protocol import (ChatCompletionChunk, ChatCompletionReque
                                         CompletionRequest, CompletionResponse, ModelCard, ModelList)
 from deploy.openai_api.stream import Endpoint, collect_response, sse_stream, stream_chunks
 from deploy.openai_api.request_builder import build_generate_request, find_model, request_slo
-from scheduler.messages import GenerateRequest, IngressRequest
+from scheduler.messages import GenerateRequest
+from deploy.openai_api.protocol import IngressRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request the edge accepted: parsed, tokenised, and its admission ticket (its place)."""
+    """A request the edge accepted: parsed, tokenised, and handed to the engine, whose stream
+    holds its admission ticket from then on (close `frames` to give its place back)."""
 
     parsed: CompletionRequest | ChatCompletionRequest
     request: GenerateRequest
-    ticket: Ticket
+    frames: EngineStream
 
 
 class OpenAIIngress:
@@ -61,7 +64,7 @@ class OpenAIIngress:
         self.engine = engine
         self.config = config or IngressConfig()
         # An engine that knows its workers' speed (the cluster's) tells admission how fast it starts requests.
-        self.admission = Admission(self.config.admission, engine_rate=getattr(engine, "start_rate", None))
+        self.admission = Admission(self.config.admission, engine_rate=engine.start_rate)
 
     def list_models(self) -> dict:
         cards = [ModelCard(id=m.name, max_model_len=m.max_context) for m in self.engine.models()]
@@ -72,7 +75,8 @@ class OpenAIIngress:
         SLO are known and before any tokenising (under overload most requests are refused, and a
         refusal then costs no thread hop and no tokenizer work). Raises OpenAIError (4xx, 429).
         arrived: when the edge began reading it (admission's clock; default now), what its TTFT
-        counts from. The ticket goes with the request's frames (`chunks`, `collect_response`)."""
+        counts from. The ticket goes to the engine with the request: closing `Admitted.frames`
+        (done by `chunks` and `collect_response`) gives the place back."""
         try:
             parsed = _REQUEST_TYPES[endpoint].model_validate_json(body)
         except ValidationError as e:
@@ -89,12 +93,11 @@ class OpenAIIngress:
         except BaseException:
             ticket.release()
             raise
-        return Admitted(parsed, gen_req, ticket)
+        return Admitted(parsed, gen_req, self.engine.generate(gen_req, ticket))
 
     def chunks(self, admitted: "Admitted", endpoint: Endpoint, include_usage: bool) -> AsyncIterator[dict]:
         """The admitted request's stream chunks."""
-        return stream_chunks(self.engine, admitted.request, endpoint, include_usage, admitted.ticket,
-                             self.config.stall_timeout_s)
+        return stream_chunks(admitted.frames, admitted.request, endpoint, include_usage, self.config.stall_timeout_s)
 
     async def generate_frames(self, request: IngressRequest) -> AsyncIterator[dict]:
         """Entry point for in-cluster callers (a Serve handle with stream=True).
@@ -115,8 +118,9 @@ class OpenAIIngress:
         except OpenAIError as e:
             yield {**e.to_dict(), "status": e.status}
             return
-        async for chunk in chunks:
-            yield chunk
+        async with aclosing(chunks) as open_chunks:   # a caller that leaves closes the request now
+            async for chunk in open_chunks:
+                yield chunk
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -143,9 +147,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its body however the response ends. Starlette leaves a
-    body cut at a send (the client left) suspended until garbage collection, and with it the
-    request's abort, its admission ticket and the router's count of it."""
+    """A StreamingResponse that closes its body, and the engine's stream under it, however the
+    response ends. Starlette leaves a body cut at a send (the client left) suspended until
+    garbage collection, and with it the request's abort, its admission ticket and the router's
+    count of it; a body that never started (the client left first) would close nothing."""
+
+    def __init__(self, content, frames: EngineStream, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.frames = frames
 
     async def __call__(self, scope, receive, send) -> None:
         async def receive_or_disconnect():
@@ -162,6 +171,7 @@ class ClosingStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self.frames.aclose()
 
 
 async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request) -> Response:
@@ -172,10 +182,9 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         # On disconnect Starlette cancels (or closes) this generator; engine_frames aborts.
         chunks = ingress.chunks(admitted, endpoint, include_usage)
-        return ClosingStreamingResponse(sse_stream(chunks), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
+        return ClosingStreamingResponse(sse_stream(chunks), admitted.frames, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Request-Id": gen_req.request_id})
     # Non-streaming: race the generation against the client hanging up.
-    ticket = admitted.ticket
     result: dict | None = None
     failure: OpenAIError | None = None
     async with anyio.create_task_group() as tg:
@@ -185,9 +194,12 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
 
         tg.start_soon(watch)
         try:
-            result = await collect_response(ingress.engine, gen_req, endpoint, ticket, ingress.config.stall_timeout_s)
+            result = await collect_response(admitted.frames, gen_req, endpoint, ingress.config.stall_timeout_s)
         except OpenAIError as e:  # raised out of the group it would come wrapped in an ExceptionGroup
             failure = e
+        finally:   # cancelled before it read a frame: the request still ends here
+            with anyio.CancelScope(shield=True):
+                await admitted.frames.aclose()
         tg.cancel_scope.cancel()
     if failure is not None:
         raise failure
@@ -199,11 +211,9 @@ async def _respond(ingress: OpenAIIngress, endpoint: Endpoint, request: Request)
 
 async def _health(engine: EngineClient) -> JSONResponse:
     """200 while some model can be served (`unservable` lists the others), 503 when none can
-    (no live worker, or the router is gone): a load balancer then sends traffic elsewhere.
-    An engine without `servable_models` (no cluster behind it) is always healthy."""
+    (no live worker, or the router is gone): a load balancer then sends traffic elsewhere."""
     served = sorted(m.name for m in engine.models())
-    check = getattr(engine, "servable_models", None)
-    servable = served if check is None else [m for m in await check() if m in served]
+    servable = [m for m in await engine.servable_models() if m in served]
     unservable = [m for m in served if m not in servable]
     ok = bool(servable)
     body = {"status": "ok" if ok else "unavailable", "num_models": len(served), "unservable": unservable}

@@ -17,9 +17,12 @@ from deploy.openai_api.protocol import ErrorResponse
 ERRORS = {
     400: "Invalid request: the message and `param` name the problem",
     401: "Missing or wrong API key (only when the server has keys)",
+    403: "An admin route called from beyond loopback on a server without API keys",
     404: "Unknown model (the message lists the models served) or route",
     405: "Method not allowed on this route (the `Allow` header lists the allowed ones)",
+    409: "The model name is in the catalog already (admin)",
     413: "Request body above the server's limit",
+    422: "The checkpoint fits no device or could not be placed (admin)",
     429: "Overloaded: retry after the number of seconds in `Retry-After`",
     500: "The engine failed to generate",
 }

@@ -8,9 +8,12 @@ with a clear message in `deploy/request_builder.py`.
 tokenmux extensions, all optional: `ignore_eos`, `top_k`, `seed`, `stop_token_ids`, and
 the SLO hints `ttft_slo_s` / `tbt_slo_s`. Responses and stream chunks carry a `tokenmux`
 object with the exact token ids and per-token wall-clock times (`TokenmuxExtension`).
+`IngressRequest` is the same request for an in-cluster caller of the ingress (a Serve handle).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -136,6 +139,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 
@@ -158,6 +162,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 
@@ -180,6 +185,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
     tokenmux: TokenmuxExtension | None = None
 
 
@@ -208,3 +214,25 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# The OpenAI routes an in-cluster caller may name, as the HTTP edge serves them.
+INGRESS_ENDPOINTS = ("completions", "chat.completions")
+
+
+@dataclass(frozen=True)
+class IngressRequest:
+    """An OpenAI request for the ingress's `generate_frames` over a Serve handle (producer: the
+    client's handle transports, deploy/client/transports.py). `body` is the OpenAI request body
+    as HTTP carries it; the answer is the chunks the SSE stream carries (an error: one chunk
+    with its `status`)."""
+
+    endpoint: str
+    body: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in INGRESS_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(INGRESS_ENDPOINTS)}; got {self.endpoint!r}")
+        if not isinstance(self.body, Mapping):
+            raise ValueError(f"body must be a mapping (the OpenAI request body), got {type(self.body).__name__}")
+        object.__setattr__(self, "body", dict(self.body))

@@ -8,7 +8,8 @@ exception through the HTTP layer. If the consumer goes away before the last fram
 (client disconnect, cancelled task, closed generator) the engine's stream is closed, which
 aborts the request there. A
 request that gets no frame for `stall_timeout_s` (a wedged worker, a lost reply) is
-aborted and ends with an error saying so; its admission ticket is released at the end.
+aborted and ends with an error saying so; closing the engine's stream releases its
+admission ticket (the engine holds it, EngineClient.generate).
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from typing import AsyncIterator, Literal
 
 import anyio
 
-from deploy.openai_api.admission import Ticket
-from deploy.openai_api.engine_protocol import EngineClient
+from deploy.openai_api.engine_protocol import EngineStream
 from deploy.openai_api.errors import OpenAIError, server_error
 from deploy.openai_api.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                     ChatDelta, ChatResponseMessage, CompletionChoice, CompletionResponse,
@@ -45,37 +45,31 @@ def stalled(req: GenerateRequest, stall_timeout_s: float) -> OutputFrame:
                              f"(the ingress's stall_timeout_s)")
 
 
-async def engine_frames(engine: EngineClient, req: GenerateRequest, ticket: Ticket | None = None,
+async def engine_frames(frames: EngineStream, req: GenerateRequest,
                         stall_timeout_s: float | None = None) -> AsyncIterator[OutputFrame]:
-    """The request's frames up to and including the finished one; aborts if left early or
-    when no frame comes for `stall_timeout_s` (then the last frame is that error)."""
-    frames = engine.generate(req)
-    it = frames.__aiter__()
+    """The request's frames up to and including the finished one; closes `frames` at the end,
+    which aborts the request if it is left early or when no frame comes for `stall_timeout_s`
+    (then the last frame is that error)."""
     finished = False
     try:
-        while True:
+        while not finished:
             frame = None
             with anyio.move_on_after(stall_timeout_s):   # None: wait for ever
                 try:
-                    frame = await it.__anext__()
+                    frame = await frames.__anext__()
                 except StopAsyncIteration:
                     break
             if frame is None:   # the deadline passed: abort below, tell the client
                 logger.warning("request %s: no output for %g s, stopping it", req.request_id, stall_timeout_s)
                 yield stalled(req, stall_timeout_s)
                 break
-            if ticket is not None:
-                ticket.first_token()
             finished = frame.finished
             yield frame
-            if finished:
-                break
     finally:
-        if ticket is not None:
-            ticket.release()
         # The one abort: closing the engine's stream before its last frame stops the request
-        # there (EngineClient.generate). Shielded: under a cancelled anyio scope (Starlette on
-        # disconnect) any await would be cancelled again before the close reaches the engine.
+        # there (EngineClient.generate), and gives back its places. Shielded: under a cancelled
+        # anyio scope (Starlette on disconnect) any await would be cancelled again before the
+        # close reaches the engine.
         with anyio.CancelScope(shield=True):
             if not finished:
                 logger.info("request %s left before it finished: aborting", req.request_id)
@@ -96,18 +90,17 @@ def _error_chunk(message: str) -> dict:
     return server_error(message).to_dict()
 
 
-async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint,
-                        include_usage: bool = False, ticket: Ticket | None = None,
-                        stall_timeout_s: float | None = None) -> AsyncIterator[dict]:
-    """OpenAI stream chunks as dicts (the SSE payloads, without `[DONE]`)."""
+async def stream_chunks(frames: EngineStream, req: GenerateRequest, endpoint: Endpoint,
+                        include_usage: bool = False, stall_timeout_s: float | None = None) -> AsyncIterator[dict]:
+    """OpenAI stream chunks as dicts (the SSE payloads, without `[DONE]`) of the engine's `frames`."""
     created = int(time.time())
     num_completion_tokens = 0
     first = True
     finish_reason = None
     try:
         # aclosing: the frames' cleanup (abort, ticket) is done before the stream's end is sent
-        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
-            async for frame in frames:
+        async with aclosing(engine_frames(frames, req, stall_timeout_s)) as checked:
+            async for frame in checked:
                 finish_reason = frame.finish_reason
                 if frame.error is not None:
                     yield _error_chunk(f"generation failed: {frame.error}")
@@ -116,12 +109,14 @@ async def stream_chunks(engine: EngineClient, req: GenerateRequest, endpoint: En
                 if endpoint == "completions":
                     choice = CompletionChoice(text=frame.text, finish_reason=frame.finish_reason)
                     chunk = CompletionResponse(id=req.request_id, created=created, model=req.model,
-                                               tokenmux=_ext(frame), choices=[choice])
+                                               system_fingerprint=frame.model_version, tokenmux=_ext(frame),
+                                               choices=[choice])
                 else:
                     delta = ChatDelta(role="assistant" if first else None, content=frame.text)
                     choice = ChatChunkChoice(delta=delta, finish_reason=frame.finish_reason)
                     chunk = ChatCompletionChunk(id=req.request_id, created=created, model=req.model,
-                                                tokenmux=_ext(frame), choices=[choice])
+                                                system_fingerprint=frame.model_version, tokenmux=_ext(frame),
+                                                choices=[choice])
                 first = False
                 yield chunk.model_dump()
     except Exception as e:  # an engine failure is a value in the stream
@@ -146,21 +141,24 @@ async def sse_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield SSE_DONE
 
 
-async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint: Endpoint,
-                           ticket: Ticket | None = None, stall_timeout_s: float | None = None) -> dict:
-    """The whole (non-streaming) response; raises a 500 OpenAIError if the engine fails."""
+async def collect_response(frames: EngineStream, req: GenerateRequest, endpoint: Endpoint,
+                           stall_timeout_s: float | None = None) -> dict:
+    """The whole (non-streaming) response of the engine's `frames`; raises a 500 OpenAIError if
+    the engine fails."""
     text: list[str] = []
     ext = TokenmuxExtension()
     finish_reason = None
+    version = None
     try:
-        async with aclosing(engine_frames(engine, req, ticket, stall_timeout_s)) as frames:
-            async for frame in frames:
+        async with aclosing(engine_frames(frames, req, stall_timeout_s)) as checked:
+            async for frame in checked:
                 if frame.error is not None:
                     raise server_error(f"generation failed: {frame.error}")
                 text.append(frame.text)
                 ext.token_ids.extend(frame.token_ids)
                 ext.token_times.extend(frame.token_times)
                 ext.worker_id = frame.worker_id or ext.worker_id
+                version = frame.model_version or version
                 finish_reason = frame.finish_reason
     except OpenAIError:
         raise
@@ -174,7 +172,7 @@ async def collect_response(engine: EngineClient, req: GenerateRequest, endpoint:
     if endpoint == "completions":
         choice = CompletionChoice(text="".join(text), finish_reason=finish_reason)
         return CompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
-                                  usage=usage, tokenmux=ext).model_dump()
+                                  usage=usage, system_fingerprint=version, tokenmux=ext).model_dump()
     choice = ChatChoice(message=ChatResponseMessage(content="".join(text)), finish_reason=finish_reason)
     return ChatCompletionResponse(id=req.request_id, created=created, model=req.model, choices=[choice],
-                                  usage=usage, tokenmux=ext).model_dump()
+                                  usage=usage, system_fingerprint=version, tokenmux=ext).model_dump()

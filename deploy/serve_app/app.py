@@ -28,7 +28,8 @@ from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
 from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
-from scheduler.messages import ClusterStatus, IngressRequest
+from cluster.status import ClusterStatus
+from deploy.openai_api.protocol import IngressRequest
 
 if TYPE_CHECKING:
     from deploy.openai_api.admission import AdmissionConfig
@@ -82,6 +83,7 @@ class TokenmuxCluster:
         config = topology_config(self.args, self._models)
         await asyncio.to_thread(_kill_stale_topology)
         self._topology = await asyncio.to_thread(bring_up, config)
+        self._catalog = live_catalog(self._topology, config.slo)
         freeze_heap()
         logger.info("tokenmux cluster up: %d workers, models %s", len(self._topology.workers), sorted(self._models))
 
@@ -89,7 +91,16 @@ class TokenmuxCluster:
         return self._topology.router
 
     def models(self) -> dict[str, str]:
-        return dict(self._models)
+        """Name -> checkpoint dir of the models served now (the live catalog's current versions)."""
+        return {name: e.path for name, e in self._catalog.catalog().entries.items()}
+
+    def catalog(self) -> dict:
+        """The live catalog (scheduler/catalog.py ModelCatalog.to_dict)."""
+        return self._catalog.catalog().to_dict()
+
+    async def change_catalog(self, op: str, kwargs: dict) -> dict:
+        """add | update | remove on the live catalog; the result, or {"error": {message, field, status}}."""
+        return await asyncio.to_thread(catalog_change, self._catalog, op, kwargs)
 
     def worker_handles(self) -> dict[str, Any]:
         return dict(self._topology.workers)
@@ -102,7 +113,7 @@ class TokenmuxCluster:
 
     async def status(self) -> ClusterStatus:
         status = await asyncio.to_thread(self._topology.status)
-        return dataclasses.replace(status, models=dict(self._models), policy=self.args.policy)
+        return dataclasses.replace(status, models=self.models(), policy=self.args.policy)
 
     def __del__(self) -> None:
         topology, self._topology = getattr(self, "_topology", None), None
@@ -117,18 +128,16 @@ class TokenmuxIngress:
     """OpenAI-compatible HTTP, plus `generate_frames` / `list_models` for Serve handles."""
 
     async def __init__(self, args: dict, cluster: Any) -> None:
-        from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
-        from deploy.serve_app.metered_engine import MeteredEngineClient
+        from deploy.openai_api.admin import add_admin_routes
         from deploy.openai_api.ingress import build_ingress_app
         from deploy.openai_api.config import IngressConfig
         from scheduler.slo import SLO
 
         self.args = parse_app_args(args)
         self.cluster = cluster
-        models = await cluster.models.remote()
         router = await cluster.router.remote()
-        self.engine = MeteredEngineClient(ClusterEngineClient(router, await asyncio.to_thread(served_models, models),
-                                                              router_source=self._fresh_router))
+        self.catalog = await catalog_engine(cluster, router, self._fresh_router)
+        self.engine = self.catalog
         self.config = IngressConfig(max_tokens_cap=self.args.max_tokens_cap,
                                     default_max_tokens=self.args.default_max_tokens,
                                     default_slo=SLO(self.args.slo.ttft_s, self.args.slo.tbt_s),
@@ -138,6 +147,7 @@ class TokenmuxIngress:
                                     stall_timeout_s=self.args.stall_timeout_s)
         await self.engine.read_workers()   # admission knows the engines' speed before the first request
         self._openai_app = build_ingress_app(self.engine, self.config)  # `app` is taken by Serve
+        add_admin_routes(self._openai_app, ClusterCatalogAdmin(cluster, self.catalog), keyed=bool(self.config.api_keys))
         self.core = self._openai_app.state.ingress
         freeze_heap()   # the edge streams every token: no long collector pauses (actors/heap.py)
 
@@ -156,6 +166,62 @@ class TokenmuxIngress:
 
     async def cluster_status(self) -> ClusterStatus:
         return await self.cluster.status.remote()
+
+
+def live_catalog(topology, slo):
+    from cluster.catalog_store import CatalogStore
+    from cluster.live_catalog import LiveCatalog
+
+    return LiveCatalog(topology, CatalogStore(), slo)
+
+
+def catalog_change(catalog, op: str, kwargs: dict) -> dict:
+    """One change of a LiveCatalog as a value: the entry (add, update), the removal, or the refusal."""
+    from scheduler.catalog import CatalogError
+
+    verbs = {"add": catalog.add, "update": catalog.update, "remove": catalog.remove}
+    if op not in verbs:
+        return {"error": {"message": f"op must be one of {sorted(verbs)}, got {op!r}", "field": "op", "status": 400}}
+    try:
+        result = verbs[op](**kwargs)
+    except CatalogError as exc:
+        return {"error": {"message": str(exc), "field": exc.field, "status": exc.status}}
+    return result if isinstance(result, dict) else result.to_dict()
+
+
+async def catalog_engine(cluster, router, router_source):
+    """The edge's cluster client behind the live catalog (deploy/serve_app/catalog_client.py),
+    refreshed from the GCS in the background."""
+    from cluster.catalog_store import CatalogStore
+    from deploy.serve_app.catalog_client import CatalogEngineClient
+    from deploy.serve_app.cluster_engine import ClusterEngineClient, served_models
+    from deploy.serve_app.request_meter import RequestMeter
+    from scheduler.catalog import ModelCatalog
+
+    catalog = ModelCatalog.from_dict(await cluster.catalog.remote())
+    store = CatalogStore(await cluster.namespace.remote())
+    inner = ClusterEngineClient(router, await asyncio.to_thread(served_models, catalog.placed()),
+                                router_source=router_source, meter=RequestMeter())
+    client = CatalogEngineClient(inner, catalog, load=store.load)
+    client.start_refreshing()
+    return client
+
+
+class ClusterCatalogAdmin:
+    """The admin routes' catalog (deploy/openai_api/admin.py): the cluster deployment's LiveCatalog,
+    and this edge's view of it refreshed at once after a change made here."""
+
+    def __init__(self, cluster, client) -> None:
+        self.cluster = cluster
+        self.client = client
+
+    async def catalog(self) -> dict:
+        return await self.cluster.catalog.remote()
+
+    async def change(self, op: str, **kwargs) -> dict:
+        result = await self.cluster.change_catalog.remote(op, kwargs)
+        await self.client.refresh()
+        return result
 
 
 def admission_config(args: AppArgs) -> "AdmissionConfig":

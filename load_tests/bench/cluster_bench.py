@@ -228,7 +228,8 @@ async def _router_overhead(worker, router, iters: int) -> dict:
         await consume(worker, GenerateRequest(f"d{i}", ROUTER_MODEL, (5, 6, 7, 8), params))
 
     async def routed(i):
-        wid, handle = await router.pick.remote(ROUTER_MODEL)
+        picked = await router.pick.remote(ROUTER_MODEL)
+        wid, handle = picked.worker_id, picked.handle
         await consume(handle, GenerateRequest(f"r{i}", ROUTER_MODEL, (5, 6, 7, 8), params))
         return wid
 
