@@ -218,19 +218,22 @@ def _estimate_text(e: dict, unit: str = "") -> str:
 
 
 def _ratio_text(result: dict, key: str) -> str:
+    """A headline ratio: its value, what kind of number it is, and its interval with any open
+    end written as a bound ("<= lo", ">= hi"), never as a closed interval."""
+    from load_tests.stats import Estimate
+
     value = result.get(key)
     if value is None:
         return result.get(f"{key}_note") or result.get(f"{key}_kind", "-")
     lo, hi = result.get(f"{key}_ci", [None, None])
+    lo_open, hi_open = result.get(f"{key}_ci_open", [lo is None, hi is None])
     kind = result.get(f"{key}_kind")
-    text = f"{value:.3g}"
+    interval = Estimate(value, lo, hi, "measured", lo_open=lo_open, hi_open=hi_open).interval_text()
     if kind == "lower bound":
-        text = f">= {value:.3g}" + (f" (CI low {lo:.3g})" if lo is not None else "")
-    elif kind == "upper bound":
-        text = f"< {value:.3g}"
-    elif lo is not None and hi is not None:
-        text += f" [{lo:.3g}, {hi:.3g}]"
-    return text
+        return f">= {value:.3g}" + interval
+    if kind == "upper bound":
+        return f"< {value:.3g}" + interval
+    return f"{value:.3g}" + interval
 
 
 def _goodput_by_rate(contenders: dict) -> list[str]:

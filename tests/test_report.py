@@ -106,8 +106,14 @@ def test_analysis_max_rates_ratios_and_never_below():
     assert result["token_vs_multiplexed_rate"] == pytest.approx(est["value"] / 1.0)
     for m in ("strict", "cumulative"):
         assert f"token_vs_request_rate_{m}" in result and f"token_vs_request_rate_{m}_kind" in result
-    assert result["token_never_below_request"] is True
+    assert result["token_never_below_request"] is True   # on the point estimates, within 0.03
+    assert result["token_never_below_request_beyond_ci"] is True and result["token_never_below_request_tolerance"] == 0.03
     assert [row["rate"] for row in result["token_never_below_request_detail"]["goodput"]] == [1.0, 2.0, 4.0, 8.0]
+    # the same three seeds for both: the ratio's interval is a paired bootstrap, each seed's ratio beside it
+    assert result["token_vs_request_rate_ci_from"] == "paired bootstrap over 3 seeds"
+    assert set(result["token_vs_request_rate_per_seed"]) == {"0", "1", "2"}
+    reverse = analyze_trace(_record_set(), "bursty", SLO_1)
+    assert reverse["token_vs_request_rate_ci"] == result["token_vs_request_rate_ci"]   # seeded: reproducible
 
 
 def test_slo_sensitivity_rows():
