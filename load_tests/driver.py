@@ -310,7 +310,7 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
               request_timeout_s: float = 120.0, drain_timeout_s: float | None = None,
               vocab_size: int | None = None, seed: int = 0, progress: bool = False,
               idle_skip_s: float | None = None, max_retries: int = 0,
-              stop: asyncio.Event | None = None) -> list[RequestRecord]:
+              stop: asyncio.Event | None = None, id_prefix: str = "req") -> list[RequestRecord]:
     """Replay `workload` against `target` open loop; one record per request sent.
 
     Requests arriving at or after duration_s, or beyond the first max_requests, are not
@@ -323,7 +323,8 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
 
     `stop` (an Event; a SIGINT handler sets it) ends the run early: nothing more is sent,
     in-flight requests are cancelled (their records say "cancelled") and the records of
-    everything sent so far come back.
+    everything sent so far come back. Request ids are `{id_prefix}-{i:06d}` (the records'
+    ids, sent to an HTTP server as X-Request-Id).
     """
     if not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
@@ -365,7 +366,7 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
                 await _sleep_unless(stop, delay)
             if stop is not None and stop.is_set():
                 break
-            rec = RequestRecord(f"req-{i:06d}", req.model, arrival=req.arrival_s,
+            rec = RequestRecord(f"{id_prefix}-{i:06d}", req.model, arrival=req.arrival_s,
                                 num_prompt_tokens=req.input_len)
             prompt = make_prompt(req.input_len, seed * 1_000_003 + i, vocab_size=vocab_size)
             task = asyncio.create_task(

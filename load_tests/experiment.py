@@ -236,7 +236,9 @@ class Session:
                 break
             point = PointKey(self.name, trace.name, float(rate), seed)
             if point not in ex.records.points:
-                ex.records.add(point, self._drive(ex.point_workload(trace, seed, rate), seed))
+                # ids unique across points: a server sees each request id once per run
+                ex.records.add(point, self._drive(ex.point_workload(trace, seed, rate), seed,
+                                                  id_prefix=f"r{rate:g}-s{seed}"))
             records = ex.records.points[point]
             if ex.settings.sustain is not None:
                 records = ex.settings.sustain.scored(records, rate)
@@ -254,13 +256,13 @@ class Session:
         known = {float(r): self.point(trace, r) for r in also}
         return find_max_rate(lambda r: self.point(trace, r), plan, known)
 
-    def _drive(self, workload: Workload, seed: int) -> list[RequestRecord]:
+    def _drive(self, workload: Workload, seed: int, id_prefix: str = "req") -> list[RequestRecord]:
         self._start()
         settings = self.experiment.settings
         if getattr(self.contender, "sequential_by_model", False):
             return self._drive_by_model(workload, seed)
         records = self.loop.run_until_complete(driver.run(
-            self.target, workload, request_timeout_s=settings.request_timeout_s,
+            self.target, workload, request_timeout_s=settings.request_timeout_s, id_prefix=id_prefix,
             vocab_size=settings.vocab_size, seed=seed, progress=settings.progress,
             idle_skip_s=settings.idle_skip_s, stop=self.stop.event(self.loop) if self.stop else None))
         if settings.settle_s:
