@@ -181,7 +181,6 @@ def run(args) -> int:
     from load_tests.contenders import CONTENDERS, Deployment
     from load_tests.driver import StopSignal
     from load_tests.experiment import Experiment
-    from load_tests.records import write_records
     from load_tests.search import SearchPlan
     from scheduler.slo import SLO
 
@@ -263,13 +262,20 @@ def run(args) -> int:
         out[f"max_models_per_worker_at_{round(args.threshold * 100)}"] = best
         out["models_sweep"] = {str(n): s for n, s in by_count.items()}
         out["models_sweep_rate_per_model"] = args.model_rate
+    return write_outputs(args, ex, trace, out, _markdown(out))
+
+
+def write_outputs(args, ex, trace, out: dict, markdown: str) -> int:
+    """Records (--records, default beside --json), report and plots (--plots), JSON (--json);
+    prints the report. Returns the exit status: 130 when the run was interrupted."""
+    from load_tests.records import write_records
+
     records_path = args.records or (str(Path(args.json_path).with_suffix("")) + ".records.jsonl.gz"
                                     if args.json_path else None)
     if records_path:
         write_records(records_path, ex.records)
         out["records"] = records_path
-    markdown = _markdown(out)
-    if args.plots:
+    if args.plots and out["contenders"]:
         _plots(args.plots, ex, trace, out, markdown)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,8 @@ the requests in flight and still writes what was measured (exit status 130).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +75,7 @@ def run_url(args) -> int:
     from load_tests.driver import StopSignal
     from load_tests.experiment import Experiment
     from load_tests.provenance import provenance
-    from load_tests.records import write_records
-    from load_tests.runner import _at_rate, _jsonable, _markdown, _plots, run_settings, trace_spec
+    from load_tests.runner import _at_rate, _markdown, run_settings, trace_spec, write_outputs
     from scheduler.slo import SLO
 
     if args.slo_ttft is None or args.slo_tbt is None:
@@ -127,15 +124,4 @@ def run_url(args) -> int:
     for data in out["contenders"].values():
         data["at_reference_rate"] = _at_rate(data, rates[0])
     markdown = _markdown(out) + "\n" + "\n".join(per_model_lines(out["per_model"]))
-    records_path = args.records or (str(Path(args.json_path).with_suffix("")) + ".records.jsonl.gz"
-                                    if args.json_path else None)
-    if records_path:
-        write_records(records_path, ex.records)
-        out["records"] = records_path
-    if args.plots and out["contenders"]:
-        _plots(args.plots, ex, trace, out, markdown)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
-    print(markdown)
-    return 130 if ex.stopped else 0
+    return write_outputs(args, ex, trace, out, markdown)
