@@ -364,7 +364,10 @@ class ServeContender(Contender):
                 "kv_fraction": engine["kv_bytes"] / engine["budget_bytes"],
                 "host_kv_gb": engine.get("host_kv_bytes", 0) / (1 << 30), "num_slots": deployment.num_slots,
                 "policy": self.policy, "scheduler": self.scheduler, "max_tokens_cap": 1 << 16,
-                "slo": {"ttft_s": deployment.slo.ttft_s, "tbt_s": deployment.slo.tbt_s}}
+                "slo": {"ttft_s": deployment.slo.ttft_s, "tbt_s": deployment.slo.tbt_s},
+                # no refusals on predicted TTFT: engine-direct contenders have no admission, and a
+                # refusal is scored as a miss anyway; the bound on waiting requests stays
+                "ttft_slo_multiple": 0}
 
     def start(self, deployment: Deployment) -> Target:
         from deploy.local import run_local
@@ -390,6 +393,10 @@ class ServeContender(Contender):
     def describe(self, deployment: Deployment) -> str:
         return (f"tokenmux's Serve app with policy {self.policy} (HTTP edge, router, {deployment.num_workers} "
                 f"workers), driven over HTTP")
+
+    def notes(self, deployment: Deployment) -> list[str]:
+        return ["--via http: the Serve app runs without admission's predicted-TTFT refusals "
+                "(ttft_slo_multiple 0), as the engine-direct contenders have none"]
 
 
 def free_loopback_port() -> int:

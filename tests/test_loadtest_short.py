@@ -233,3 +233,32 @@ def test_published_quick_run_writes_every_file_and_resumes_from_its_records(ray_
     assert again["traces"]["bursty"]["token_vs_request_rate"] == summary["traces"]["bursty"]["token_vs_request_rate"]
     with pytest.raises(ValueError, match="max_requests"):
         run_published(out, preset=replace(Preset.quick(), max_requests=9), readme=None, resume=True)
+
+
+def test_via_http_drives_token_and_request_through_the_serve_app(ray_session, zoo_model, tmp_path):
+    """--via http: each policy brought up as the Serve app (HTTP edge, router, workers) and
+    driven over HTTP by the client `--url` uses; nothing is left deployed after."""
+    from ray import serve
+
+    zoo_model("llama-tiny-a")
+    out = tmp_path / "http.json"
+    args = build_parser().parse_args([
+        "loadtest", "--via", "http", "--contenders", "token,request", "--workers", "1", "--models", "2",
+        "--checkpoint", "llama-tiny-a", "--slots", "1", "--kv-mb", "16", "--popularity", "uniform",
+        "--rates", "2", "--rate", "2", "--sweep", "rate", "--max-output", "8", "--max-input", "32",
+        "--threads-per-worker", "1", "--request-timeout", "30", "--seeds", "0", "--settle", "0.2",
+        "--sustain-s", "1.5", "--sustain-requests", "3", "--warmup-s", "0.5", "--json", str(out)])
+    assert run(args) == 0
+    data = json.loads(out.read_text())
+    assert data["deployment"]["via"] == "http"
+    assert all("Serve app" in data["descriptions"][n] for n in ("token", "request"))
+    from load_tests.records import read_records
+
+    records = read_records(data["records"])
+    for name in ("token", "request"):
+        recs = [r for k, v in records.points.items() if k.contender == name for r in v]
+        assert recs and sum(r.ok for r in recs) >= len(recs) // 2, [r.error for r in recs if not r.ok]
+        assert all(len(r.token_times) <= 8 for r in recs)
+    assert not [a for a in serve.status().applications if a.startswith("loadtest-")]
+    with pytest.raises(ValueError, match="token and request"):
+        run(build_parser().parse_args(["loadtest", "--via", "http", "--contenders", "token,dedicated"]))
