@@ -170,10 +170,8 @@ def run(args) -> int:
         from load_tests.slo_sweep import run_from_args
 
         return run_from_args(args)
-    if args.url:
-        from load_tests.url_load import run_url
-
-        return run_url(args)
+    if args.url:   # the CLI sends --url to load_tests/url_load.py (which builds on this module)
+        raise ValueError("--url runs through `tokenmux loadtest` (load_tests.url_load.run_url)")
     if args.via == "http" and set(args.contenders) - {"token", "request"}:
         raise ValueError(f"--via http runs token and request through the Serve app, got --contenders "
                          f"{','.join(args.contenders)}")

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request   # at the top: the routes' annotations are
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.cli.main import build_parser
-from load_tests.runner import run
+from load_tests.url_load import run_url as run
 from polling import wait_until
 
 FIRST_S = 0.10   # the fake's first token comes this long after the request
