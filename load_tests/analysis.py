@@ -152,8 +152,8 @@ def never_below(token: dict, request: dict) -> dict:
 
 
 def _paired(a: dict, b: dict, metric: str, threshold: float) -> dict | None:
-    """paired_ratio of two contenders' per-seed curves, or None when they share no seed
-    measured at every shared rate."""
+    """paired_ratio of two contenders' per-seed curves, or None unless they share seeds, each
+    measured at the same rates (then the paired ratio is the headline's own curves)."""
     key = MEASURES[metric][1]
 
     def per_seed(data: dict) -> dict[int, dict[float, float]]:
@@ -164,8 +164,9 @@ def _paired(a: dict, b: dict, metric: str, threshold: float) -> dict | None:
         return out
 
     sa, sb = per_seed(a), per_seed(b)
-    shared_rates = set.intersection(*(set(c) for c in (*sa.values(), *sb.values()))) if sa and sb else set()
-    if not (set(sa) & set(sb)) or not shared_rates:
+    seeds = set(sa) & set(sb)
+    grids = {frozenset(c) for side in (sa, sb) for s, c in side.items() if s in seeds}
+    if not seeds or len(grids) != 1:   # a search's own rates per contender: the bands' interval stands
         return None
     return paired_ratio(sa, sb, threshold)
 

@@ -57,12 +57,12 @@ def regime(requests: Sequence[TraceRequest], slo: SLO, decode_s: float) -> dict:
     return {"mean_output_tokens": round(mean_output, 2), "decode_step_s": decode_s,
             "mean_decode_s": round(mean_decode_s, 6), "ttft_slo_s": slo.ttft_s, "tbt_slo_s": slo.tbt_s,
             "decode_vs_ttft": round(decode_vs_ttft, 3), "tbt_slack": round(slack, 2), "favours": favours,
-            "prediction": prediction}
+            "prediction": prediction, "when": "said before measuring"}
 
 
 def describe(r: dict) -> str:
     """One paragraph for a report."""
-    return (f"Regime (said before measuring): a request's mean decode time is {r['mean_decode_s']:.3g} s "
+    return (f"Regime ({r.get('when', 'said before measuring')}): a request's mean decode time is {r['mean_decode_s']:.3g} s "
             f"({r['mean_output_tokens']:.0f} tokens x {r['decode_step_s']:.3g} s) against a TTFT budget of "
             f"{r['ttft_slo_s']:.3g} s (ratio {r['decode_vs_ttft']:.2f}); TBT slack = TBT SLO / step = "
             f"{r['tbt_slo_s']:.3g} / {r['decode_step_s']:.3g} = {r['tbt_slack']:.1f}. Queueing predicts: "

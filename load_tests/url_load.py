@@ -75,6 +75,7 @@ def run_url(args) -> int:
     from load_tests.driver import StopSignal
     from load_tests.experiment import Experiment
     from load_tests.provenance import provenance
+    from load_tests.regime import regime
     from load_tests.runner import _at_rate, _markdown, run_settings, trace_spec, write_outputs
     from scheduler.slo import SLO
 
@@ -123,5 +124,9 @@ def run_url(args) -> int:
            "descriptions": {CONTENDER: contender.describe(deployment)}}
     for data in out["contenders"].values():
         data["at_reference_rate"] = _at_rate(data, rates[0])
+        step = data["at_reference_rate"].get("tpot_p50_s")
+        if step:   # the server's step time is not known before: its TPOT at the lowest rate stands in
+            out["regime"] = regime(list(ex.point_workload(trace, seeds[0], rates[0])), slo, step)
+            out["regime"]["when"] = "the decode step read from the server's median TPOT at the lowest rate"
     markdown = _markdown(out) + "\n" + "\n".join(per_model_lines(out["per_model"]))
     return write_outputs(args, ex, trace, out, markdown)

@@ -49,3 +49,16 @@ def test_a_rate_is_held_when_the_queue_does_not_grow_over_the_window():
     scored = spec.scored(kept_up, 4.0)
     assert min(r.arrival for r in scored) >= 5.0 and len(scored) == len(kept_up) - 20
     assert queue_at(behind, 10.0) == 41 - 10   # 41 arrived by t = 10, 10 finished (ends 1..10; one at 10 still counts as done)
+
+
+def test_the_regime_is_said_from_the_workload_and_the_slo():
+    from cluster.planner.workloads import TraceRequest
+    from load_tests.regime import describe, regime
+    from scheduler.slo import SLO
+
+    long_decodes = [TraceRequest(0.0, "m", 8, 100)] * 3      # 100 tokens x 10 ms = 1 s against a 0.2 s TTFT
+    r = regime(long_decodes, SLO(0.2, 0.05), decode_s=0.01)
+    assert r["decode_vs_ttft"] == 5.0 and r["tbt_slack"] == 5.0 and r["favours"] == "token"
+    assert regime(long_decodes, SLO(5.0, 0.05), decode_s=0.01)["favours"] == "neither"   # waits fit the TTFT budget
+    assert regime(long_decodes, SLO(0.2, 0.015), decode_s=0.01)["favours"] == "request"  # no room to share
+    assert "TBT slack" in describe(r) and "said before measuring" in describe(r)
