@@ -149,3 +149,26 @@ def test_published_outputs_plots_markdown_and_readme(tmp_path):
     text = readme.read_text()
     assert "old" not in text and "| token | 1 |" in text and text.endswith("rest\n")
     assert not update_readme(tmp_path / "none.md", md)
+
+
+def test_the_rate_axis_labels_the_measured_rates_and_no_minor_ticks():
+    """Rates within one decade on a log axis: matplotlib labels every minor tick by default
+    and they print over each other; the plot labels the measured rates only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from load_tests.report import MAX_RATE_TICKS, _rate_ticks
+
+    fig, ax = plt.subplots()
+    ax.set_xscale("log")
+    ax.plot([0.3, 0.45, 0.6], [1, 1, 1])
+    _rate_ticks(ax, [0.3, 0.45, 0.6])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] == []
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.3", "0.45", "0.6"]
+    many = [0.1 * 1.3 ** k for k in range(20)]
+    _rate_ticks(ax, many)
+    assert len(ax.get_xticks()) <= MAX_RATE_TICKS
+    plt.close(fig)
