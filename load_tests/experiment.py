@@ -166,7 +166,8 @@ class Experiment:
                     for rate in rates:
                         session.point(trace, rate, seeds=(seed,))
                     if name not in out["descriptions"]:
-                        out["notes"] += session.contender.notes(self.deployment)
+                        out["notes"] += [n for n in session.contender.notes(self.deployment)
+                                         if n not in out["notes"]]
                         out["descriptions"][name] = session.contender.describe(self.deployment)
                     errors = {m: e for m, e in session.warm_up_errors.items() if e}
                     if errors:
