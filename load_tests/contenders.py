@@ -119,8 +119,17 @@ class Contender(ABC):
         return self.name
 
 
-def make_contender(name: str, scheduler: dict | None = None) -> Contender:
-    """A contender by name; `scheduler` (SchedulerConfig fields) applies to the token policy."""
+def make_contender(name: str, scheduler: dict | None = None, via: str = "engine",
+                   port: int | None = None) -> Contender:
+    """A contender by name; `scheduler` (SchedulerConfig fields) applies to the token policy.
+    via "http": the token and request policies as the Serve app on loopback `port`, driven
+    over HTTP (one port for every contender of a run: Serve keeps the port it started with)."""
+    if via == "http":
+        if name not in ("token", "request"):
+            raise ValueError(f"--via http runs the token and request contenders, got {name!r}")
+        return ServeContender(name, scheduler=scheduler if name == "token" else None, port=port)
+    if via != "engine":
+        raise ValueError(f"via must be engine or http, got {via!r}")
     if name in ("token", "request"):
         return EngineContender(name, scheduler=scheduler if name == "token" else None)
     if name in TOKEN_ABLATIONS:
@@ -306,6 +315,96 @@ class MultiplexedContender(Contender):
         # A replica generates one request at a time, so a request's token span is its turn.
         return [Turn(r.worker_id, r.model, r.token_times[0], r.token_times[-1])
                 for r in records if r.ok and r.worker_id]
+
+
+# ---------------------------------------------------------------- over HTTP
+
+
+class UrlContender(Contender):
+    """A server already running at `url` (tokenmux, vLLM, any OpenAI-compatible one): nothing
+    to start or stop; requests go to its /v1/completions (driver.OpenAIHTTPTarget)."""
+
+    def __init__(self, url: str, name: str = "server", *, api_key: str | None = None, ignore_eos: bool = True):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be an http(s) URL, got {url!r}")
+        self.url, self.name, self.api_key, self.ignore_eos = url.rstrip("/"), name, api_key, ignore_eos
+
+    def start(self, deployment: Deployment) -> Target:
+        from load_tests.driver import OpenAIHTTPTarget
+
+        return OpenAIHTTPTarget(self.url, api_key=self.api_key, ignore_eos=self.ignore_eos)
+
+    def stop(self) -> None:
+        pass
+
+    def turns(self, since: float, records: Sequence[RequestRecord] = ()) -> list[Turn]:
+        return []
+
+    def describe(self, deployment: Deployment) -> str:
+        return f"the server at {self.url}, through its OpenAI-compatible HTTP API"
+
+
+class ServeContender(Contender):
+    """tokenmux as a user runs it, with one policy: the Serve app (HTTP edge, router, placement,
+    workers) brought up by deploy.local.run_local on the deployment's devices and budgets, and
+    driven over HTTP by the client `--url` uses (`--via http`)."""
+
+    def __init__(self, policy: str, name: str | None = None, scheduler: dict | None = None,
+                 port: int | None = None):
+        if policy not in ENGINE_POLICIES:
+            raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
+        self.policy, self.name, self.scheduler, self.port = policy, name or policy, dict(scheduler or {}), port
+        self._app = None
+
+    def app_args(self, deployment: Deployment) -> dict:
+        """The Serve app's args (deploy/serve_app/app_args.py) for this deployment and policy."""
+        engine = deployment.engine
+        return {"devices_per_node": deployment.num_workers, "threads_per_worker": deployment.threads_per_worker,
+                "budget_bytes": int(engine["budget_bytes"]),
+                "kv_fraction": engine["kv_bytes"] / engine["budget_bytes"],
+                "host_kv_gb": engine.get("host_kv_bytes", 0) / (1 << 30), "num_slots": deployment.num_slots,
+                "policy": self.policy, "scheduler": self.scheduler, "max_tokens_cap": 1 << 16,
+                "slo": {"ttft_s": deployment.slo.ttft_s, "tbt_s": deployment.slo.tbt_s},
+                # no refusals on predicted TTFT: engine-direct contenders have no admission, and a
+                # refusal is scored as a miss anyway; the bound on waiting requests stays
+                "ttft_slo_multiple": 0}
+
+    def start(self, deployment: Deployment) -> Target:
+        from deploy.local import run_local
+        from load_tests.driver import OpenAIHTTPTarget
+
+        if self._app is not None:
+            raise RuntimeError(f"contender {self.name} is already started")
+        port = self.port or free_loopback_port()
+        self._app = run_local(dict(deployment.models), port=port, host="127.0.0.1",
+                              num_devices=deployment.num_workers, app_name=f"loadtest-{self.name}",
+                              **self.app_args(deployment))
+        url = self._app.__enter__()
+        return OpenAIHTTPTarget(url)
+
+    def stop(self) -> None:
+        if self._app is not None:
+            app, self._app = self._app, None
+            app.__exit__(None, None, None)
+
+    def turns(self, since: float, records: Sequence[RequestRecord] = ()) -> list[Turn]:
+        return []
+
+    def describe(self, deployment: Deployment) -> str:
+        return (f"tokenmux's Serve app with policy {self.policy} (HTTP edge, router, {deployment.num_workers} "
+                f"workers), driven over HTTP")
+
+    def notes(self, deployment: Deployment) -> list[str]:
+        return ["--via http: the Serve app runs without admission's predicted-TTFT refusals "
+                "(ttft_slo_multiple 0), as the engine-direct contenders have none"]
+
+
+def free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 async def warm_up(target: Target, models: Sequence[str], *, prompt_len: int = 8,

@@ -26,11 +26,12 @@ counts from its first send.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
-from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol, Sequence
 
 from actors.heap import freeze_heap
 from cluster.planner.metrics import RequestRecord
@@ -76,8 +77,10 @@ class CallableTarget:
 class OpenAIHTTPTarget:
     """POST {base_url}/v1/completions with stream=true and read the server-sent events.
 
-    Each event's choices[0] gives `token_ids` when the server sends them (tokenmux does),
-    else one token per non-empty `text` delta. `ignore_eos` (a vLLM/tokenmux extension)
+    An event's tokens are its `tokenmux.token_ids` (tokenmux's extension: one delta may
+    carry a frame of several tokens), else choices' `token_ids` when the server sends them,
+    else one token per non-empty `text` delta (vLLM and most servers stream one token per
+    event). `ignore_eos` (a vLLM/tokenmux extension)
     makes output lengths follow the trace.
     """
 
@@ -128,7 +131,10 @@ class OpenAIHTTPTarget:
                 event = json.loads(data)
                 if event.get("error"):
                     raise TargetError(f"server error: {event['error']}")
-                for choice in event.get("choices") or []:
+                ext_ids = (event.get("tokenmux") or {}).get("token_ids")
+                if ext_ids:   # tokenmux's extension: a frame may carry several tokens in one delta
+                    yield [int(i) for i in ext_ids]
+                for choice in [] if ext_ids else event.get("choices") or []:
                     ids = choice.get("token_ids")
                     if ids:
                         yield [int(i) for i in ids]
@@ -137,6 +143,69 @@ class OpenAIHTTPTarget:
                 usage = event.get("usage")
                 if usage and usage.get("prompt_tokens"):
                     yield OutputFrame(request_id, num_prompt_tokens=int(usage["prompt_tokens"]))
+
+
+async def _wait_unless(stop: asyncio.Event | None, aw) -> None:
+    """Await `aw`, or stop waiting as soon as `stop` is set (then `aw` is cancelled)."""
+    work = asyncio.ensure_future(aw)
+    if stop is None:
+        await work
+        return
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for f in (work, stopped):
+            f.cancel()
+        await asyncio.gather(work, stopped, return_exceptions=True)
+
+
+async def _sleep_unless(stop: asyncio.Event | None, delay: float) -> None:
+    await _wait_unless(stop, asyncio.sleep(delay))
+
+
+class StopSignal:
+    """Ctrl-C for a measurement: `installed()` routes SIGINT here; once set, every run driven
+    with `event(loop)` stops sending, cancels its in-flight requests and returns its records
+    (driver.run's `stop`). One signal serves runs on several event loops, one after another."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for loop, event in self._events:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+    def event(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        """An Event for runs on `loop`, set when this signal is (already set if it was)."""
+        event = asyncio.Event()
+        if self._set:
+            event.set()
+        self._events = [(lp, ev) for lp, ev in self._events if not lp.is_closed()] + [(loop, event)]
+        return event
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopSignal"]:
+        """SIGINT sets this signal while inside (a second one interrupts as usual)."""
+        import signal
+
+        def handler(signum, frame) -> None:
+            if self._set:
+                raise KeyboardInterrupt
+            logger.warning("interrupted: stopping the run, keeping what was measured")
+            self.set()
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _retry_after_s(header: str | None) -> float:
@@ -240,7 +309,8 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
               duration_s: float | None = None, max_requests: int | None = None,
               request_timeout_s: float = 120.0, drain_timeout_s: float | None = None,
               vocab_size: int | None = None, seed: int = 0, progress: bool = False,
-              idle_skip_s: float | None = None, max_retries: int = 0) -> list[RequestRecord]:
+              idle_skip_s: float | None = None, max_retries: int = 0,
+              stop: asyncio.Event | None = None, id_prefix: str = "req") -> list[RequestRecord]:
     """Replay `workload` against `target` open loop; one record per request sent.
 
     Requests arriving at or after duration_s, or beyond the first max_requests, are not
@@ -250,6 +320,11 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
     idle_skip_s skipped, see the module docstring). Prompts are token ids when vocab_size is
     given, else text (see make_prompt), seeded per request from `seed`. A refused request is
     sent again up to `max_retries` times (see the module docstring).
+
+    `stop` (an Event; a SIGINT handler sets it) ends the run early: nothing more is sent,
+    in-flight requests are cancelled (their records say "cancelled") and the records of
+    everything sent so far come back. Request ids are `{id_prefix}-{i:06d}` (the records'
+    ids, sent to an HTTP server as X-Request-Id).
     """
     if not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
@@ -288,8 +363,10 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
                         clock.skipped += max(0.0, req.arrival_s - clock.now())
                 delay = req.arrival_s - clock.now()
             if delay > 0:
-                await asyncio.sleep(delay)
-            rec = RequestRecord(f"req-{i:06d}", req.model, arrival=req.arrival_s,
+                await _sleep_unless(stop, delay)
+            if stop is not None and stop.is_set():
+                break
+            rec = RequestRecord(f"{id_prefix}-{i:06d}", req.model, arrival=req.arrival_s,
                                 num_prompt_tokens=req.input_len)
             prompt = make_prompt(req.input_len, seed * 1_000_003 + i, vocab_size=vocab_size)
             task = asyncio.create_task(
@@ -297,9 +374,11 @@ async def run(target: Target, workload: Workload | Sequence[TraceRequest], *,
             task.add_done_callback(lambda _: bar.update(1))
             records.append(rec)
             tasks.append(task)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=drain_s)
-            if pending:
+        pending = [t for t in tasks if not t.done()]
+        if pending and not (stop is not None and stop.is_set()):
+            await _wait_unless(stop, asyncio.wait(pending, timeout=drain_s))
+            pending = [t for t in tasks if not t.done()]
+            if pending and not (stop is not None and stop.is_set()):
                 logger.warning("%d requests still running %.1f s after the last arrival; "
                                "cancelling them", len(pending), drain_s)
     finally:

@@ -8,9 +8,15 @@ experiment's RecordSet under (contender, trace, rate, seed). The point's value i
 over seeds of the sweep measure's attainment, which is what the rate search
 (load_tests/search.py) reads.
 
+With sustained points (RunSettings.sustain, load_tests/sustained.py) a seed's workload is
+drawn per rate: the trace's process over the span the point offers, time-scaled from its
+nominal rate (1 req/s for synthetic arrivals, the file's mean rate for a trace file).
+
 A Session starts one contender, warms it up (one short request per model), measures any
-number of points, then stops it, so a contender is started once however many points it
-is measured at, and never shares the cores with another contender.
+number of points, then stops it, so a contender never shares the cores with another.
+`run_paired` measures contenders seed by seed: every contender sees the same arrival
+sequence of a seed, and the order they run in alternates from one seed to the next (so
+neither always runs first on a machine that drifts), each started afresh per seed.
 """
 from __future__ import annotations
 
@@ -68,6 +74,9 @@ class Experiment:
     metric: str = "goodput"
     records: RecordSet = field(default_factory=RecordSet)
     scheduler: dict = field(default_factory=dict)  # SchedulerConfig fields of the token contender
+    via: str = "engine"  # "http": token and request as the Serve app, over HTTP (contenders.ServeContender)
+    http_port: int | None = None  # the loopback port of the Serve app (via "http")
+    stop: driver.StopSignal | None = None  # once set (Ctrl-C), nothing more is sent (driver.run's stop)
     _samples: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,8 +108,71 @@ class Experiment:
         args = replace_args(self.workload_args, arrival=trace.arrival, cv=trace.cv, seed=seed)
         return make_workload(args, names, 1.0, max(n, 2))
 
-    def session(self, name: str) -> "Session":
-        return Session(self, make_contender(name, self.scheduler))
+    def session(self, name: str, contender: Contender | None = None) -> "Session":
+        """A session of the contender `name` (or of `contender`, one built by the caller)."""
+        contender = contender or make_contender(name, self.scheduler, self.via, self.http_port)
+        return Session(self, contender, self.stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def point_workload(self, trace: TraceSpec, seed: int, rate: float) -> Workload:
+        """What seed `seed` sends at `rate`: a burst of max_requests (sweep.at_rate), or a
+        sustained point (see the module docstring)."""
+        spec = self.settings.sustain
+        if spec is None:
+            return at_rate(self.sample(trace, seed), rate, self.settings)
+        key = (trace, seed, float(rate))
+        if key not in self._samples:
+            self._samples[key] = self._draw_sustained(trace, seed, rate)
+        return self._samples[key]
+
+    def _draw_sustained(self, trace: TraceSpec, seed: int, rate: float) -> Workload:
+        from load_tests.sustained import draw_span
+
+        spec = self.settings.sustain
+        names = list(self.deployment.models)
+        if trace.path:
+            from cluster.planner.traces import read_trace
+            from load_tests.sweep import base_rate
+
+            whole = read_trace(trace.path, deployed=names, seed=seed)
+            nominal = base_rate(whole)
+            span = draw_span(rate, spec, nominal, margin=1.0)
+            start = whole[0].arrival_s + seed * span   # seed k: the k-th stretch of the file
+            if whole.duration_s < start + span:
+                raise ValueError(f"{trace.path} spans {whole.duration_s:.0f} s: too short for seed {seed} "
+                                 f"at {rate:g} req/s ({span:.0f} s of the trace per seed)")
+            return spec.workload(whole.window(start, start + span), rate, nominal)
+        args = replace_args(self.workload_args, arrival=trace.arrival, cv=trace.cv, seed=seed)
+        from load_tests.run_setup import make_workload
+
+        sample = make_workload(args, names, 1.0, None, duration_s=draw_span(rate, spec))
+        return spec.workload(sample, rate, 1.0)
+
+    def run_paired(self, trace: TraceSpec, contenders: Sequence[str], rates: Sequence[float]) -> dict:
+        """Every contender at every rate, seed by seed, the order alternating between seeds
+        (see the module docstring). Returns what a report says of the contenders: their notes,
+        descriptions, warm-up errors and the order each seed ran them in."""
+        out: dict = {"notes": [], "descriptions": {}, "warm_up_errors": {}, "order": []}
+        for i, seed in enumerate(self.seeds):
+            order = list(contenders) if i % 2 == 0 else list(reversed(contenders))
+            out["order"].append({"seed": seed, "contenders": order})
+            for name in order:
+                if self.stopped:
+                    return out
+                with self.session(name) as session:
+                    for rate in rates:
+                        session.point(trace, rate, seeds=(seed,))
+                    if name not in out["descriptions"]:
+                        out["notes"] += [n for n in session.contender.notes(self.deployment)
+                                         if n not in out["notes"]]
+                        out["descriptions"][name] = session.contender.describe(self.deployment)
+                    errors = {m: e for m, e in session.warm_up_errors.items() if e}
+                    if errors:
+                        out["warm_up_errors"].setdefault(name, {}).update(errors)
+        return out
 
 
 def replace_args(args, **changes):
@@ -110,9 +182,10 @@ def replace_args(args, **changes):
 
 
 class Session:
-    def __init__(self, experiment: Experiment, contender: Contender):
+    def __init__(self, experiment: Experiment, contender: Contender, stop: driver.StopSignal | None = None):
         self.experiment = experiment
         self.contender = contender
+        self.stop = stop
         self.target = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.warm_up_errors: dict[str, str | None] = {}
@@ -139,24 +212,41 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         try:
+            aclose = getattr(self.target, "aclose", None)   # an HTTP target's connections
+            if aclose is not None:
+                self.loop.run_until_complete(aclose())
+        finally:
+            self._stop_contender()
+
+    def _stop_contender(self) -> None:
+        try:
             self.contender.stop()
         finally:
             if self.loop is not None:
                 self.loop.close()
             self.loop = self.target = None
 
-    def point(self, trace: TraceSpec, rate: float) -> float:
-        """Measure every seed at `rate`; returns their mean attainment by the sweep measure."""
+    def point(self, trace: TraceSpec, rate: float, seeds: Sequence[int] | None = None) -> float:
+        """Measure `seeds` (default: the experiment's) at `rate`; returns their mean attainment
+        by the sweep measure (a sustained point: over its scored window)."""
         ex = self.experiment
         key = attainment_key(ex.metric)
         values = []
-        for seed in ex.seeds:
+        for seed in (ex.seeds if seeds is None else seeds):
+            if ex.stopped:
+                break
             point = PointKey(self.name, trace.name, float(rate), seed)
             if point not in ex.records.points:
-                workload = at_rate(ex.sample(trace, seed), rate, ex.settings)
-                ex.records.add(point, self._drive(workload, seed))
-            summary = summarize(ex.records.points[point], ex.deployment.slo)
+                # ids unique across points: a server sees each request id once per run
+                ex.records.add(point, self._drive(ex.point_workload(trace, seed, rate), seed,
+                                                  id_prefix=f"r{rate:g}-s{seed}"))
+            records = ex.records.points[point]
+            if ex.settings.sustain is not None:
+                records = ex.settings.sustain.scored(records, rate)
+            summary = summarize(records, ex.deployment.slo)
             values.append(summary[key] or 0.0)
+        if not values:
+            return 0.0
         mean = statistics.mean(values)
         logger.info("%s on %s at %.4g req/s: %s %.3f (seeds %s)", self.name, trace.name, rate, ex.metric,
                     mean, [round(v, 3) for v in values])
@@ -167,15 +257,15 @@ class Session:
         known = {float(r): self.point(trace, r) for r in also}
         return find_max_rate(lambda r: self.point(trace, r), plan, known)
 
-    def _drive(self, workload: Workload, seed: int) -> list[RequestRecord]:
+    def _drive(self, workload: Workload, seed: int, id_prefix: str = "req") -> list[RequestRecord]:
         self._start()
         settings = self.experiment.settings
         if getattr(self.contender, "sequential_by_model", False):
             return self._drive_by_model(workload, seed)
         records = self.loop.run_until_complete(driver.run(
-            self.target, workload, request_timeout_s=settings.request_timeout_s,
+            self.target, workload, request_timeout_s=settings.request_timeout_s, id_prefix=id_prefix,
             vocab_size=settings.vocab_size, seed=seed, progress=settings.progress,
-            idle_skip_s=settings.idle_skip_s))
+            idle_skip_s=settings.idle_skip_s, stop=self.stop.event(self.loop) if self.stop else None))
         if settings.settle_s:
             time.sleep(settings.settle_s)
         return records
@@ -253,8 +343,14 @@ def measure_model_count(n: int, checkpoint: str, args, threads: int, slo, settin
 
 
 def write_json(path: str | Path, data: dict) -> Path:
+    """`data` as JSON at `path`, with the provenance block (load_tests/provenance.py) added
+    when it has none."""
     import json
 
+    from load_tests.provenance import provenance
+
+    if "provenance" not in data:
+        data = {**data, "provenance": provenance()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str, allow_nan=False) + "\n")

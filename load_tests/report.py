@@ -167,6 +167,7 @@ def plot_attainment_bands(result: dict, path: str | Path) -> Path:
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
         ax.axhline(100 * threshold, color="gray", linestyle="--", linewidth=1)
         ax.set(xscale="log", xlabel="arrival rate (req/s)", title=_MEASURE_TITLES[measure], ylim=(0, 105))
+        _rate_ticks(ax, sorted({float(r) for data in result["contenders"].values() for r in data["points"]}))
     axes[0].set_ylabel("SLO attainment (%), mean and 95% CI over seeds")
     axes[-1].legend(fontsize="small", loc="lower left")
     fig.suptitle(f"{result['trace']} trace: TTFT SLO {result['slo']['ttft_s']:.4g} s, "
@@ -177,11 +178,30 @@ def plot_attainment_bands(result: dict, path: str | Path) -> Path:
     return Path(path)
 
 
+MAX_RATE_TICKS = 8
+
+
+def _rate_ticks(ax, rates: list[float]) -> None:
+    """Label the measured rates on a log axis, no minor labels: matplotlib's default labels
+    every minor tick of a span under a decade, and they print over each other."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    if not rates:
+        return
+    step = max(1, -(-len(rates) // MAX_RATE_TICKS))   # at most MAX_RATE_TICKS labels
+    shown = rates[::step]
+    ax.xaxis.set_major_locator(FixedLocator(shown))
+    ax.set_xticklabels([f"{r:.3g}" for r in shown])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def cdf_rate(result: dict) -> float | None:
-    """The rate the latency CDFs compare at: the highest rate token met the threshold that
-    the most contenders were measured at."""
-    token = result["contenders"].get("token")
-    if token is None:
+    """The rate the latency CDFs compare at: the highest rate token (or the only contender, a
+    server driven with --url) met the threshold that the most contenders were measured at."""
+    contenders = result["contenders"]
+    token = contenders.get("token") or (next(iter(contenders.values())) if len(contenders) == 1 else None)
+    if token is None or not token["points"]:
         return None
     threshold = result.get("threshold", 0.9)
     measure = result.get("measure", "goodput")
@@ -218,35 +238,73 @@ def _estimate_text(e: dict, unit: str = "") -> str:
 
 
 def _ratio_text(result: dict, key: str) -> str:
+    """A headline ratio: its value, what kind of number it is, and its interval with any open
+    end written as a bound ("<= lo", ">= hi"), never as a closed interval."""
+    from load_tests.stats import Estimate
+
     value = result.get(key)
     if value is None:
         return result.get(f"{key}_note") or result.get(f"{key}_kind", "-")
     lo, hi = result.get(f"{key}_ci", [None, None])
+    lo_open, hi_open = result.get(f"{key}_ci_open", [lo is None, hi is None])
     kind = result.get(f"{key}_kind")
-    text = f"{value:.3g}"
+    interval = Estimate(value, lo, hi, "measured", lo_open=lo_open, hi_open=hi_open).interval_text()
     if kind == "lower bound":
-        text = f">= {value:.3g}" + (f" (CI low {lo:.3g})" if lo is not None else "")
-    elif kind == "upper bound":
-        text = f"< {value:.3g}"
-    elif lo is not None and hi is not None:
-        text += f" [{lo:.3g}, {hi:.3g}]"
-    return text
+        return f">= {value:.3g}" + interval
+    if kind == "upper bound":
+        return f"< {value:.3g}" + interval
+    return f"{value:.3g}" + interval
 
 
 def _goodput_by_rate(contenders: dict) -> list[str]:
-    """Goodput (mean [95% CI] over seeds) of each contender at every rate it was measured."""
+    """Goodput and strict attainment (mean [95% CI] over seeds) of each contender at every rate
+    it was measured; a sustained point adds how many seeds held the rate."""
     names = list(contenders)
     rates = sorted({float(r) for data in contenders.values() for r in data["points"]})
-    lines = ["Goodput at each rate (fraction of requests within TTFT and mean-TPOT SLO, mean [95% CI]):", "",
-             "| req/s | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines = ["Attainment at each rate, goodput (TTFT and mean TPOT within SLO) / strict (every token by its "
+             "deadline), mean [95% CI] over seeds; held: seeds whose queue did not grow over the scored window:",
+             "", "| req/s | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for rate in rates:
         cells = []
         for name in names:
             point = next((p for r, p in contenders[name]["points"].items() if float(r) == rate), None)
-            g = point["goodput"] if point else None
-            cells.append("-" if g is None else f"{g['mean']:.2f} [{g['lo']:.2f}, {g['hi']:.2f}]")
+            if point is None:
+                cells.append("-")
+                continue
+            text = " / ".join(f"{point[m]['mean']:.2f} [{point[m]['lo']:.2f}, {point[m]['hi']:.2f}]"
+                              for m in ("goodput", "strict"))
+            if "held" in point:
+                text += f"; held {point['num_seeds_held']}/{point['num_seeds']}"
+            cells.append(text)
         lines.append(f"| {rate:.3g} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def never_below_lines(result: dict) -> list[str]:
+    """The never-below verdicts: on the point estimates (the verdict), beyond the CI (beside it)."""
+    if "token_never_below_request" not in result:
+        return []
+    by = result.get("token_never_below_request_by_measure", {})
+    tol = result.get("token_never_below_request_tolerance")
+    return [f"- `token_never_below_request` (mean attainment >= request's - {tol} at every rate both ran): "
+            f"{result['token_never_below_request']} (goodput {by.get('goodput')}, strict {by.get('strict')}); "
+            f"beyond the CI (token's upper end under request's lower end counts as below): "
+            f"{result.get('token_never_below_request_beyond_ci')}"]
+
+
+def per_seed_text(result: dict, key: str) -> str:
+    """Each seed's ratio alone ("0: 2.1, 1: >= 3.0, ..."), or "" when not paired."""
+    per_seed = result.get(f"{key}_per_seed")
+    if not per_seed:
+        return ""
+
+    def one(v) -> str:
+        if isinstance(v, dict):
+            sign = {"lower bound": ">= ", "upper bound": "< "}.get(v["kind"], "")
+            return f"{sign}{v['value']:.3g}" if v["value"] is not None else v["kind"]
+        return f"{v:.3g}"
+
+    return ", ".join(f"{seed}: {one(v)}" for seed, v in per_seed.items())
 
 
 def published_markdown(out_dir: str | Path, summary: dict) -> str:
@@ -273,9 +331,7 @@ def published_markdown(out_dir: str | Path, summary: dict) -> str:
                      for m in ("goodput", "strict", "cumulative")]
             extra = f" (best: {result.get('best_multiplexed')})" if label == "multiplexed" else ""
             lines.append(f"- `token_vs_{label}_rate`{extra}: " + "; ".join(parts))
-        if "token_never_below_request" in result:
-            lines.append(f"- `token_never_below_request` (goodput and strict, beyond the CI, at every shared rate): "
-                         f"{result['token_never_below_request']}")
+        lines += never_below_lines(result)
         sens = result.get("slo_sensitivity")
         if sens:
             lines += ["", f"SLO sensitivity ({sens['note']}), max rate at 90% goodput:", "",

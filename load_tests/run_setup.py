@@ -86,7 +86,8 @@ def engine_config(models: dict[str, str], args) -> dict:
     return config
 
 
-def make_workload(args, names: list[str], rate: float, num_requests: int):
+def make_workload(args, names: list[str], rate: float, num_requests: int | None, duration_s: float | None = None):
+    """A synthetic workload at `rate`: num_requests requests, or every arrival in duration_s seconds."""
     from cluster.planner import workloads as w
 
     arrivals = {"gamma": lambda: w.Gamma(rate, args.cv), "poisson": lambda: w.Poisson(rate),
@@ -105,7 +106,8 @@ def make_workload(args, names: list[str], rate: float, num_requests: int):
         lengths = lengths_from_azure(AZURE_CONV, **limits)
     else:
         lengths = w.LogNormalLengths(**limits)
-    return w.generate(arrivals, popularity, names, lengths, seed=args.seed, num_requests=num_requests)
+    return w.generate(arrivals, popularity, names, lengths, seed=args.seed, num_requests=num_requests,
+                      duration_s=duration_s)
 
 
 def measured_slo(models: dict[str, str], args, threads: int) -> dict:

@@ -64,8 +64,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mb", type=float, default=64.0, help="KV pool per worker in MiB")
     p.add_argument("--rate", type=float, help="reference arrival rate, req/s (default: 1, or the trace's)")
     p.add_argument("--rates", type=_csv(float), help="rates of the rate sweep (default: multiples of --rate)")
-    p.add_argument("--max-requests", type=int, default=60, help="requests per measured point")
+    p.add_argument("--sustain-s", type=float, default=60.0, help="each point offers its rate for a scored "
+                   "window of at least this many seconds (load_tests/sustained.py)")
+    p.add_argument("--sustain-requests", type=int, default=300, help="... and long enough to expect at least "
+                   "this many requests in it")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="offered before each scored window, left out of "
+                   "the score")
+    p.add_argument("--burst", action="store_true", help="points are bursts of --max-requests requests (the "
+                   "older form), not sustained")
+    p.add_argument("--max-requests", type=int, default=60, help="--burst: requests per measured point")
     p.add_argument("--duration", type=float, help="cut each point's arrivals after this many seconds")
+    p.add_argument("--url", help="drive the OpenAI-compatible server at URL instead of starting contenders "
+                   "(load_tests/url_load.py); needs --slo-ttft and --slo-tbt")
+    p.add_argument("--served-models", type=_csv(str), help="--url: the server's model names to send "
+                   "(default: its GET /v1/models), most popular first")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="--url: bearer key "
+                   "(default $OPENAI_API_KEY)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="--url: do not send ignore_eos (for servers "
+                   "that refuse it; outputs may then end before the trace's length)")
+    p.add_argument("--prompt", choices=("ids", "text"), default="ids", help="--url: prompts as token ids "
+                   "(exact lengths) or text of common words (about one token each)")
+    p.add_argument("--max-duration", type=float, help="--url: stop the whole run after this many seconds "
+                   "(what was measured is kept)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--idle-skip", type=float, metavar="S",
                    help="when nothing is in flight for S seconds, skip the clock to the next arrival")
@@ -78,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-metric", choices=("goodput", "strict", "cumulative"), default="goodput",
                    help="measure the rate search and the headline ratios use (default goodput: TTFT and "
                         "mean TPOT within the SLO, as vLLM's benchmark and DistServe count it)")
-    p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2],
-                   help="workload samples per point (mean and 95%% CI over them; default 0,1,2)")
+    p.add_argument("--seeds", type=_csv(int), default=[0, 1, 2, 3, 4],
+                   help="workload samples per point (mean and 95%% CI over them; default 0,1,2,3,4); every "
+                        "contender sees the same arrivals per seed, their order alternating between seeds")
     p.add_argument("--search", action="store_true",
                    help="rate sweep: bracket from --rate by doubling/halving and bisect to --resolution "
                         "instead of the fixed --rates")
@@ -124,7 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-rate", type=float, default=0.1, help="models sweep: req/s per model")
     p.add_argument("--threads-per-worker", type=int, help="default: cores // workers")
     p.add_argument("--via", choices=("engine", "http"), default="engine",
-                   help="engine: straight to DeviceWorker actors; http: through the Serve app (later)")
+                   help="engine: straight to DeviceWorker actors (an ablation); http: token and request each "
+                        "brought up as the Serve app (HTTP edge, router, workers) and driven over HTTP")
     p.add_argument("--progress", action="store_true", help="progress bar per measured point")
 
 
@@ -148,14 +170,16 @@ def run(args) -> int:
         from load_tests.slo_sweep import run_from_args
 
         return run_from_args(args)
-    if args.via == "http":
-        raise ValueError("--via http needs the Serve app (deploy/); it is not wired in yet: use --via engine")
+    if args.url:   # the CLI sends --url to load_tests/url_load.py (which builds on this module)
+        raise ValueError("--url runs through `tokenmux loadtest` (load_tests.url_load.run_url)")
+    if args.via == "http" and set(args.contenders) - {"token", "request"}:
+        raise ValueError(f"--via http runs token and request through the Serve app, got --contenders "
+                         f"{','.join(args.contenders)}")
     from load_tests.analysis import analyze_trace
     from load_tests.contenders import CONTENDERS, Deployment
-    from load_tests.experiment import Experiment, TraceSpec
-    from load_tests.records import write_records
+    from load_tests.driver import StopSignal
+    from load_tests.experiment import Experiment
     from load_tests.search import SearchPlan
-    from load_tests.sweep import RunSettings
     from scheduler.slo import SLO
 
     unknown = [c for c in args.contenders if c not in CONTENDERS]
@@ -178,15 +202,15 @@ def run(args) -> int:
     connect_or_start(num_virtual_gpus=max(args.workers, 1), log_to_driver=False)
     slo_info = measured_slo(models, args, threads)
     slo = SLO(slo_info["ttft_s"], slo_info["tbt_s"])
-    settings = RunSettings(max_requests=args.max_requests, duration_s=args.duration,
-                           request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
-                           idle_skip_s=args.idle_skip, **({} if args.settle is None else {"settle_s": args.settle}))
-    trace = TraceSpec(Path(args.trace).stem if args.trace else (
-        args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
-        args.arrival, args.cv, path=args.trace)
+    settings = run_settings(args)
+    trace = trace_spec(args)
     deployment = Deployment(models, args.workers, engine_config(models, args), threads, slo)
     ex = Experiment(deployment, args, settings, seeds=seeds, metric=args.sweep_metric,
-                    scheduler=scheduler_overrides(args))
+                    scheduler=scheduler_overrides(args), via=args.via)
+    if args.via == "http":
+        from load_tests.contenders import free_loopback_port
+
+        ex.http_port = free_loopback_port()
     first = ex.sample(trace, seeds[0])
     names = [m for m in first.models] + [m for m in names if m not in first.models]  # popular first
     deployment = Deployment({m: models[m] for m in names}, args.workers, deployment.engine, threads, slo)
@@ -196,28 +220,39 @@ def run(args) -> int:
     ref_rate = args.rate or (base_rate(first) if args.trace else 1.0)
     rates = sorted(set(args.rates or [ref_rate * k for k in RATE_STEPS]) | {ref_rate}) \
         if "rate" in args.sweep and not args.search else [ref_rate]
-    notes, warm, descriptions = [], {}, {}
-    for name in args.contenders:
-        with ex.session(name) as session:
-            notes += session.contender.notes(deployment)
-            descriptions[name] = session.contender.describe(deployment)
-            if args.search and "rate" in args.sweep:
-                session.search(trace, SearchPlan(start=ref_rate, threshold=args.threshold,
-                                                 resolution=args.resolution))
-            else:
-                for rate in rates:
-                    session.point(trace, rate)
-            warm[name] = {m: e for m, e in session.warm_up_errors.items() if e}   # started at its first point
+    from load_tests.provenance import provenance
+    from load_tests.regime import regime
+
+    started = provenance(torch_threads=threads)
+    predicted = regime(list(first), slo, slo_info["derived_from"]["decode_s"])   # said before measuring
+    ex.stop = StopSignal()
+    with ex.stop.installed():
+        if args.search and "rate" in args.sweep:   # the search picks rates per contender: one after another
+            paired = {"notes": [], "descriptions": {}, "warm_up_errors": {}, "order": []}
+            for name in args.contenders:
+                with ex.session(name) as session:
+                    paired["notes"] += session.contender.notes(deployment)
+                    paired["descriptions"][name] = session.contender.describe(deployment)
+                    session.search(trace, SearchPlan(start=ref_rate, threshold=args.threshold,
+                                                     resolution=args.resolution))
+                    paired["warm_up_errors"][name] = {m: e for m, e in session.warm_up_errors.items() if e}
+        else:
+            paired = ex.run_paired(trace, args.contenders, rates)
     ex.records.run = {"slo": slo_info, "deployment": {"models": deployment.models, "num_workers": args.workers,
-                                                      "threads_per_worker": threads, "engine": deployment.engine},
+                                                      "threads_per_worker": threads, "engine": deployment.engine,
+                                                      "via": args.via},
                       "workload": {"trace": args.trace, "arrival": args.arrival, "cv": args.cv,
                                    "popularity": args.popularity, "lengths": args.lengths,
-                                   "max_requests_per_point": args.max_requests, "seeds": list(seeds)},
-                      "scheduler": scheduler_overrides(args)}
+                                   "max_requests_per_point": None if settings.sustain else args.max_requests,
+                                   "seeds": list(seeds)},
+                      "sustain": settings.sustain.to_dict() if settings.sustain else None,
+                      "scheduler": scheduler_overrides(args), "provenance": started}
     result = analyze_trace(ex.records, trace.name, slo, args.threshold, args.sweep_metric,
                            devices={c: deployment.devices(c) for c in args.contenders})
     out = {**result, **ex.records.run, "slo": slo_info, "reference_rate": ref_rate, "seeds": list(seeds),
-           "notes": notes, "descriptions": descriptions, "warm_up_errors": warm}
+           "notes": paired["notes"], "descriptions": paired["descriptions"],
+           "warm_up_errors": paired["warm_up_errors"], "order": paired["order"], "regime": predicted,
+           "interrupted": ex.stopped}
     for name, data in out["contenders"].items():
         data["at_reference_rate"] = _at_rate(data, ref_rate)
     if "models" in args.sweep:
@@ -225,19 +260,46 @@ def run(args) -> int:
         out[f"max_models_per_worker_at_{round(args.threshold * 100)}"] = best
         out["models_sweep"] = {str(n): s for n, s in by_count.items()}
         out["models_sweep_rate_per_model"] = args.model_rate
+    return write_outputs(args, ex, trace, out, _markdown(out))
+
+
+def write_outputs(args, ex, trace, out: dict, markdown: str) -> int:
+    """Records (--records, default beside --json), report and plots (--plots), JSON (--json);
+    prints the report. Returns the exit status: 130 when the run was interrupted."""
+    from load_tests.records import write_records
+
     records_path = args.records or (str(Path(args.json_path).with_suffix("")) + ".records.jsonl.gz"
                                     if args.json_path else None)
     if records_path:
         write_records(records_path, ex.records)
         out["records"] = records_path
-    markdown = _markdown(out)
-    if args.plots:
+    if args.plots and out["contenders"]:
         _plots(args.plots, ex, trace, out, markdown)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
     print(markdown)
-    return 0
+    return 130 if ex.stopped else 0
+
+
+def run_settings(args):
+    """How each point is driven: sustained (load_tests/sustained.py) unless --burst."""
+    from load_tests.sustained import SustainSpec
+    from load_tests.sweep import RunSettings
+
+    sustain = None if args.burst else SustainSpec(args.sustain_s, args.sustain_requests, args.warmup_s)
+    return RunSettings(max_requests=args.max_requests, duration_s=args.duration,
+                       request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
+                       idle_skip_s=args.idle_skip, sustain=sustain,
+                       **({} if args.settle is None else {"settle_s": args.settle}))
+
+
+def trace_spec(args):
+    from load_tests.experiment import TraceSpec
+
+    return TraceSpec(Path(args.trace).stem if args.trace else (
+        args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
+        args.arrival, args.cv, path=args.trace)
 
 
 def rescore(args) -> int:
@@ -306,14 +368,36 @@ def _models_sweep(args, models, threads, slo, settings):
 
 
 def _markdown(out: dict) -> str:
-    from load_tests.report import _estimate_text, _ratio_text
+    from load_tests.regime import describe as describe_regime
+    from load_tests.report import _estimate_text, _goodput_by_rate, _ratio_text, never_below_lines, per_seed_text
 
     slo = out["slo"]
-    lines = [f"## tokenmux load test: {out.get('trace')}", "",
-             f"Measure for the search and ratios: {out.get('measure')}; threshold {out.get('threshold')}; "
-             f"seeds {out.get('seeds', '?')}.", "",
-             "| contender | devices | max rate goodput | strict | cumulative | at rate | goodput | strict | "
-             "cumulative | TTFT p50 | TTFT p99 | TPOT p99 | TBT p99 |", "|---|" + "---|" * 12]
+    lines = [f"## tokenmux load test: {out.get('trace')}", ""]
+    prov = out.get("provenance") or {}
+    if prov:
+        m = prov.get("machine", {})
+        lines += [f"Measured at {prov.get('revision', '?')[:12] if prov.get('revision') else '?'}"
+                  f"{' (uncommitted changes)' if prov.get('dirty') else ''}, started {prov.get('started_at')}, on "
+                  f"{m.get('cpu_model')} ({m.get('cores_usable')} usable cores, torch threads "
+                  f"{m.get('torch_threads')}, load {', '.join(f'{x:.1f}' for x in m.get('load_avg', []))}): "
+                  f"`{' '.join(prov.get('command', []))}`", ""]
+    if out.get("regime"):
+        lines += [describe_regime(out["regime"]), ""]
+    sustain = out.get("sustain")
+    if sustain:
+        lines += [f"Sustained points: a {sustain['warmup_s']:g} s warm-up (not scored), then a scored window of "
+                  f"max({sustain['sustain_s']:g} s, {sustain['sustain_requests']} requests / rate); a rate is "
+                  "held when the queue (arrived, not finished) at the window's end is no longer than at its "
+                  "start.", ""]
+    if out.get("order"):
+        lines += ["Order per seed (alternating): " + "; ".join(
+            f"{o['seed']}: {' then '.join(o['contenders'])}" for o in out["order"]), ""]
+    if out.get("interrupted"):
+        lines += ["**Interrupted**: the run was stopped (Ctrl-C); what is below is what it measured.", ""]
+    lines += [f"Measure for the search: {out.get('measure')}; threshold {out.get('threshold')}; "
+              f"seeds {out.get('seeds', '?')}.", "",
+              "| contender | devices | max rate goodput | strict | cumulative | at rate | goodput | strict | "
+              "cumulative | TTFT p50 | TTFT p99 | TPOT p99 | TBT p99 |", "|---|" + "---|" * 12]
     for name, data in out["contenders"].items():
         rk = next(k for k in data if k.startswith("max_rate_at_"))
         ref = data.get("at_reference_rate") or {}
@@ -324,6 +408,7 @@ def _markdown(out: dict) -> str:
                ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "tbt_p99_s")]
         lines.append(f"| {name} | {data['devices']} | " + " | ".join(cells + at + lat) + " |")
     lines.append("")
+    lines += _goodput_by_rate(out["contenders"])
     if "derived_from" in slo:
         t = slo["derived_from"]
         lines.append(f"SLO (same for every contender): TTFT {slo['ttft_s']} s, TBT {slo['tbt_s']} s; "
@@ -331,10 +416,12 @@ def _markdown(out: dict) -> str:
                      f"{t['prefill_s']:.4f} s ({t['prompt_len']} tokens), decode {t['decode_s']:.4f} s "
                      f"(batch {t['batch_size']}), switch {t['switch_s']:.4f} s.")
         lines.append("")
-    for key in [k for k in out if k.startswith("token_vs_") and k.endswith("_rate")]:
-        lines.append(f"- {key}: {_ratio_text(out, key)} ({out.get(key + '_kind')})")
-    if "token_never_below_request" in out:
-        lines.append(f"- token_never_below_request: {out['token_never_below_request']}")
+    for key in [k for k in out if k.startswith("token_vs_") and "_rate" in k and
+                (k.endswith("_rate") or k.endswith("_rate_strict"))]:
+        seeds = per_seed_text(out, key)
+        lines.append(f"- {key}: {_ratio_text(out, key)} ({out.get(key + '_kind')}; CI from "
+                     f"{out.get(key + '_ci_from', 'bands')})" + (f"; per seed {seeds}" if seeds else ""))
+    lines += never_below_lines(out)
     for key in [k for k in out if k.startswith("max_models_per_worker")]:
         lines.append(f"- {key}: {out[key]} (per-model rate {out.get('models_sweep_rate_per_model')} req/s)")
     lines += [f"- note: {n}" for n in out.get("notes", [])]

@@ -10,8 +10,16 @@ below the threshold, interpolated linearly from the rate before it (later recove
 not count). Its interval comes from the band: where the lower band crosses (the rate is at
 least this) and where the upper band crosses (at most this). A curve that never falls
 below gives a lower bound (the highest rate tested); one already below at its lowest rate
-gives an upper bound (below the lowest rate tested). A ratio of two such rates carries the
-interval of both ends (lo_a / hi_b, hi_a / lo_b) and the censoring of either.
+gives an upper bound (below the lowest rate tested). An interval end whose band never
+crosses inside the tested rates is itself only a bound, and says so (`hi_open`: the upper
+end is at least the highest rate tested; `lo_open`: the lower end is at most the lowest):
+it is never printed as a closed interval. A ratio of two such rates carries the interval of
+both ends (lo_a / hi_b, hi_a / lo_b) and the censoring of either.
+
+Ratios between two contenders measured on the same seeds (the same arrival sequences) get
+their interval from a paired bootstrap over seeds (`paired_ratio`): seeds are drawn with
+replacement, both contenders' mean curves are rebuilt from the same draw, and the ratio of
+their crossings is taken; censored draws open the interval's end they could move.
 """
 from __future__ import annotations
 
@@ -76,6 +84,8 @@ class Estimate:
     hi: float | None
     kind: str  # MEASURED | LOWER_BOUND | UPPER_BOUND | UNDEFINED
     note: str = ""
+    lo_open: bool = False  # the interval's lower end is at most `lo` (its band never crossed above it)
+    hi_open: bool = False  # the interval's upper end is at least `hi` (its band never crossed below it)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,8 +98,16 @@ class Estimate:
             return f">= {fmt} ({self.note})" if self.note else f">= {fmt}"
         if self.kind == UPPER_BOUND:
             return f"< {fmt} ({self.note})" if self.note else f"< {fmt}"
-        ci = f" [{_fmt(self.lo)}, {_fmt(self.hi)}]" if self.lo is not None and self.hi is not None else ""
-        return fmt + ci
+        return fmt + self.interval_text()
+
+    def interval_text(self) -> str:
+        """" [lo, hi]", an open end written as a bound ("<= lo", ">= hi", "open" when nothing
+        bounds it); "" when neither end is known."""
+        if (self.lo is None and not self.lo_open) or (self.hi is None and not self.hi_open):
+            return ""
+        lo = "open" if self.lo is None else ("<= " if self.lo_open else "") + _fmt(self.lo)
+        hi = "open" if self.hi is None else (">= " if self.hi_open else "") + _fmt(self.hi)
+        return f" [{lo}, {hi}]"
 
 
 def _fmt(x: float | None) -> str:
@@ -133,9 +151,10 @@ def max_rate(curve: Mapping[float, MeanCI], threshold: float = 0.9) -> Estimate:
         lo = lowest if lo_band == -math.inf else (lo_band if lo_band is not None else highest)
         return Estimate(highest, lo, None, LOWER_BOUND,
                         f"still >= {threshold:.0%} at {highest:.3g} req/s, the highest tested")
-    lo = lowest if lo_band == -math.inf else lo_band
-    hi = highest if hi_band is None else hi_band
-    return Estimate(mid, lo, hi, MEASURED)
+    # a band that never crosses inside the tested rates bounds its end, nothing more
+    lo, lo_open = (lowest, True) if lo_band == -math.inf else (lo_band, False)
+    hi, hi_open = (highest, True) if hi_band is None else (hi_band, False)
+    return Estimate(mid, lo, hi, MEASURED, lo_open=lo_open, hi_open=hi_open)
 
 
 def rate_ratio(a: Estimate, b: Estimate) -> Estimate:
@@ -151,6 +170,9 @@ def rate_ratio(a: Estimate, b: Estimate) -> Estimate:
     lo = _div(a_least, b_most)  # None: not bounded below
     hi = _div(a_most, b_least)  # None: not bounded above
     if a.kind == MEASURED and b.kind == MEASURED:
+        if lo is None or hi is None:   # an open interval end: said, never a closed interval
+            return Estimate(a.value / b.value, lo, hi, MEASURED, "an interval end is open",
+                            lo_open=lo is None, hi_open=hi is None)
         return Estimate(a.value / b.value, lo, hi, MEASURED)
     if a.kind == UPPER_BOUND and b.kind == UPPER_BOUND:
         return Estimate(None, None, None, UNDEFINED, "neither reaches the threshold at the lowest rate tested")
@@ -168,7 +190,9 @@ def rate_ratio(a: Estimate, b: Estimate) -> Estimate:
 def _span(e: Estimate) -> tuple[float | None, float | None]:
     """(least, most) the true rate can be; None where it is open."""
     if e.kind == MEASURED:
-        return (e.lo if e.lo is not None else e.value), (e.hi if e.hi is not None else e.value)
+        least = None if e.lo_open else (e.lo if e.lo is not None else e.value)
+        most = None if e.hi_open else (e.hi if e.hi is not None else e.value)
+        return least, most
     if e.kind == LOWER_BOUND:
         return (e.lo if e.lo is not None else e.value), None
     return None, e.value  # UPPER_BOUND: below value
@@ -189,3 +213,53 @@ def not_below(a: Mapping[float, MeanCI], b: Mapping[float, MeanCI]) -> tuple[boo
         rows.append({"rate": r, "a": pa.mean, "a_hi": pa.hi, "b": pb.mean, "b_lo": pb.lo,
                      "below_beyond_ci": pa.hi < pb.lo})
     return (not any(row["below_beyond_ci"] for row in rows)), rows
+
+
+def crossing(curve: Mapping[float, float], threshold: float = 0.9) -> Estimate:
+    """max_rate of a curve of plain values (one seed, or one bootstrap draw): no bands."""
+    return max_rate({r: MeanCI(v, v, v, 1) for r, v in curve.items()}, threshold)
+
+
+def paired_ratio(a: Mapping[int, Mapping[float, float]], b: Mapping[int, Mapping[float, float]],
+                 threshold: float = 0.9, reps: int = 2000, seed: int = 0) -> dict:
+    """Ratio of a's max rate to b's, each {seed: {rate: attainment}}, over the seeds and rates
+    both measured: the ratio of the mean curves' crossings, its paired-bootstrap 95% interval
+    (the same seeds drawn for both) and the ratio on each seed alone.
+
+    A draw where a crossing is censored gives a censored ratio; the interval end such draws
+    could move is marked open (lower-bound draws: the upper end is at least `hi`; upper-bound
+    draws: the lower end is at most `lo`; undefined draws: both)."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        raise ValueError("paired_ratio needs seeds both contenders measured")
+    rates = sorted(set.intersection(*(set(side[s]) for side in (a, b) for s in seeds)))
+    if not rates:
+        raise ValueError("paired_ratio needs rates both contenders measured on every shared seed")
+
+    def ratio(draw: Sequence[int]) -> Estimate:
+        mean = lambda side: {r: sum(side[s][r] for s in draw) / len(draw) for r in rates}  # noqa: E731
+        return rate_ratio(crossing(mean(a), threshold), crossing(mean(b), threshold))
+
+    whole = ratio(seeds)
+    per_seed = {str(s): ratio([s]).to_dict() for s in seeds}
+    rng = random.Random(seed)
+    draws = [ratio([seeds[rng.randrange(len(seeds))] for _ in seeds]) for _ in range(reps)]
+    values = sorted(d.value for d in draws if d.value is not None)
+    kinds = [d.kind for d in draws]
+    lo = values[int(0.025 * len(values))] if values else None
+    hi = values[max(0, int(0.975 * len(values)) - 1)] if values else None
+    undefined = UNDEFINED in kinds
+    return {"value": whole.value, "kind": whole.kind, "note": whole.note, "lo": lo, "hi": hi,
+            "lo_open": undefined or UPPER_BOUND in kinds or lo is None,
+            "hi_open": undefined or LOWER_BOUND in kinds or hi is None,
+            "seeds": seeds, "rates": rates, "reps": reps, "per_seed": per_seed,
+            "censored_draws": sum(k != MEASURED for k in kinds)}
+
+
+def not_below_points(a: Mapping[float, float], b: Mapping[float, float], tolerance: float = 0.03
+                     ) -> tuple[bool, list[dict]]:
+    """Is curve a at least b - tolerance at every rate both measured, on the point estimates
+    (the means)? Returns (verdict, one row per shared rate)."""
+    common = sorted(set(map(float, a)) & set(map(float, b)))
+    rows = [{"rate": r, "a": a[r], "b": b[r], "below": a[r] < b[r] - tolerance} for r in common]
+    return (bool(rows) and not any(row["below"] for row in rows)), rows

@@ -1,6 +1,9 @@
 """How each measured point is driven: the run settings, and a workload time-scaled to a rate.
 
-Rate sweeps replay the same requests time-scaled: the first `max_requests` of a seed's
+Sustained points (`settings.sustain`, load_tests/sustained.py) offer each rate for a warm-up
+and a scored window of its own length, arrivals drawn from the trace's process and
+time-scaled to the rate. Burst points (no `sustain`), the older form kept for the published
+presets: rate sweeps replay the same requests time-scaled: the first `max_requests` of a seed's
 workload (arrival times, models, lengths) are sent at every rate, compressed by
 rate / base_rate, so rates differ only in how close together the requests come (bursts
 keep their shape: workloads.Gamma never puts two arrivals at one instant). A pause between
@@ -13,6 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from cluster.planner.workloads import Workload
+from load_tests.sustained import SustainSpec
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ class RunSettings:
     seed: int = 0
     progress: bool = False
     idle_skip_s: float | None = None  # skip idle stretches longer than this (driver.run)
+    sustain: SustainSpec | None = None  # sustained points (load_tests/sustained.py); None: bursts of max_requests
 
     def __post_init__(self) -> None:
         if self.max_requests < 1:

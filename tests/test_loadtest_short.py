@@ -31,7 +31,8 @@ def test_contract_flags_parse_into_the_loadtest_command():
     assert args.contenders == ["token", "request", "dedicated", "multiplexed"]
     assert (args.trace, args.workers, args.sweep, args.json_path, args.plots) == (
         "t.csv", 2, ["rate"], "o.json", "d")
-    assert args.sweep_metric == "goodput" and args.seeds == [0, 1, 2]
+    assert args.sweep_metric == "goodput" and args.seeds == [0, 1, 2, 3, 4]
+    assert (args.sustain_s, args.sustain_requests, args.burst, args.via) == (60.0, 300, False, "engine")
     args = build_parser().parse_args(["loadtest", "--sweep-metric", "cumulative", "--no-quota-cap",
                                       "--no-overload-control", "--published", "--quick"])
     assert args.sweep_metric == "cumulative" and args.published and args.quick
@@ -117,6 +118,7 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
         "--rates", "4,16", "--sweep", "rate", "--max-output", "12", "--max-input", "32",
         "--threads-per-worker", "1", "--request-timeout", "30", "--seeds", "0,1",
         "--settle", "0.2",   # a short pause between points: the figures are not what this checks
+        "--sustain-s", "1.5", "--sustain-requests", "4", "--warmup-s", "0.5",   # sustained, tiny
         "--json", str(out), "--plots", str(plots)])
     assert args.sweep_metric == "goodput"
     assert run(args) == 0
@@ -130,10 +132,18 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
     assert slo["decode_spread"] == pytest.approx(max(rounds) / min(rounds))
     assert list(data["contenders"]) == ["token", "request", "dedicated"]
     assert data["measure"] == "goodput" and data["seeds"] == [0, 1]
+    # the same arrivals per seed for every contender, the order alternating between seeds
+    assert data["order"] == [{"seed": 0, "contenders": ["token", "request", "dedicated"]},
+                             {"seed": 1, "contenders": ["dedicated", "request", "token"]}]
+    assert data["sustain"] == {"sustain_s": 1.5, "sustain_requests": 4, "warmup_s": 0.5}
+    assert data["provenance"]["revision"] and "cpu_model" in data["provenance"]["machine"]
+    assert data["regime"]["tbt_slack"] > 0 and data["regime"]["favours"] in ("token", "request", "neither")
+    counts = {}
     for name, row in data["contenders"].items():
         assert set(row["points"]) == {"4.0", "16.0"}
-        for point in row["points"].values():
-            assert point["num_requests"] == 2 * MAX_REQUESTS and point["num_seeds"] == 2
+        for rate, point in row["points"].items():
+            assert point["num_seeds"] == 2 and isinstance(point["held"], bool)
+            counts.setdefault(rate, set()).add(point["num_requests"])
             for m in ("goodput", "strict", "cumulative"):
                 assert point[m]["lo"] <= point[m]["mean"] <= point[m]["hi"] and 0 <= point[m]["mean"] <= 1
             assert point["strict"]["mean"] <= point["cumulative"]["mean"] + 1e-9
@@ -143,6 +153,7 @@ def test_side_by_side_run_writes_the_json_contract_and_records_that_rescore(ray_
             assert est["value"] is None or 4.0 <= est["value"] <= 16.0
         ref = row["at_reference_rate"]
         assert ref["rate"] == 4.0 and set(CONTRACT_ROW) <= set(ref)
+    assert all(len(c) == 1 for c in counts.values())   # every contender scored on the same requests
     assert data["contenders"]["dedicated"]["devices"] == 3   # one per model, never failing the others
     for name in ("token", "request", "dedicated"):  # light load, every model served: nothing fails
         ref = data["contenders"][name]["at_reference_rate"]
@@ -222,3 +233,32 @@ def test_published_quick_run_writes_every_file_and_resumes_from_its_records(ray_
     assert again["traces"]["bursty"]["token_vs_request_rate"] == summary["traces"]["bursty"]["token_vs_request_rate"]
     with pytest.raises(ValueError, match="max_requests"):
         run_published(out, preset=replace(Preset.quick(), max_requests=9), readme=None, resume=True)
+
+
+def test_via_http_drives_token_and_request_through_the_serve_app(ray_session, zoo_model, tmp_path):
+    """--via http: each policy brought up as the Serve app (HTTP edge, router, workers) and
+    driven over HTTP by the client `--url` uses; nothing is left deployed after."""
+    from ray import serve
+
+    zoo_model("llama-tiny-a")
+    out = tmp_path / "http.json"
+    args = build_parser().parse_args([
+        "loadtest", "--via", "http", "--contenders", "token,request", "--workers", "1", "--models", "2",
+        "--checkpoint", "llama-tiny-a", "--slots", "1", "--kv-mb", "16", "--popularity", "uniform",
+        "--rates", "2", "--rate", "2", "--sweep", "rate", "--max-output", "8", "--max-input", "32",
+        "--threads-per-worker", "1", "--request-timeout", "30", "--seeds", "0", "--settle", "0.2",
+        "--sustain-s", "1.5", "--sustain-requests", "3", "--warmup-s", "0.5", "--json", str(out)])
+    assert run(args) == 0
+    data = json.loads(out.read_text())
+    assert data["deployment"]["via"] == "http"
+    assert all("Serve app" in data["descriptions"][n] for n in ("token", "request"))
+    from load_tests.records import read_records
+
+    records = read_records(data["records"])
+    for name in ("token", "request"):
+        recs = [r for k, v in records.points.items() if k.contender == name for r in v]
+        assert recs and sum(r.ok for r in recs) >= len(recs) // 2, [r.error for r in recs if not r.ok]
+        assert all(len(r.token_times) <= 8 for r in recs)
+    assert not [a for a in serve.status().applications if a.startswith("loadtest-")]
+    with pytest.raises(ValueError, match="token and request"):
+        run(build_parser().parse_args(["loadtest", "--via", "http", "--contenders", "token,dedicated"]))

@@ -106,8 +106,14 @@ def test_analysis_max_rates_ratios_and_never_below():
     assert result["token_vs_multiplexed_rate"] == pytest.approx(est["value"] / 1.0)
     for m in ("strict", "cumulative"):
         assert f"token_vs_request_rate_{m}" in result and f"token_vs_request_rate_{m}_kind" in result
-    assert result["token_never_below_request"] is True
+    assert result["token_never_below_request"] is True   # on the point estimates, within 0.03
+    assert result["token_never_below_request_beyond_ci"] is True and result["token_never_below_request_tolerance"] == 0.03
     assert [row["rate"] for row in result["token_never_below_request_detail"]["goodput"]] == [1.0, 2.0, 4.0, 8.0]
+    # the same three seeds for both: the ratio's interval is a paired bootstrap, each seed's ratio beside it
+    assert result["token_vs_request_rate_ci_from"] == "paired bootstrap over 3 seeds"
+    assert set(result["token_vs_request_rate_per_seed"]) == {"0", "1", "2"}
+    reverse = analyze_trace(_record_set(), "bursty", SLO_1)
+    assert reverse["token_vs_request_rate_ci"] == result["token_vs_request_rate_ci"]   # seeded: reproducible
 
 
 def test_slo_sensitivity_rows():
@@ -143,3 +149,26 @@ def test_published_outputs_plots_markdown_and_readme(tmp_path):
     text = readme.read_text()
     assert "old" not in text and "| token | 1 |" in text and text.endswith("rest\n")
     assert not update_readme(tmp_path / "none.md", md)
+
+
+def test_the_rate_axis_labels_the_measured_rates_and_no_minor_ticks():
+    """Rates within one decade on a log axis: matplotlib labels every minor tick by default
+    and they print over each other; the plot labels the measured rates only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from load_tests.report import MAX_RATE_TICKS, _rate_ticks
+
+    fig, ax = plt.subplots()
+    ax.set_xscale("log")
+    ax.plot([0.3, 0.45, 0.6], [1, 1, 1])
+    _rate_ticks(ax, [0.3, 0.45, 0.6])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()] == []
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.3", "0.45", "0.6"]
+    many = [0.1 * 1.3 ** k for k in range(20)]
+    _rate_ticks(ax, many)
+    assert len(ax.get_xticks()) <= MAX_RATE_TICKS
+    plt.close(fig)

@@ -5,7 +5,7 @@ import pytest
 
 from load_tests.search import SearchPlan, doubling_grid, find_max_rate
 from load_tests.stats import (LOWER_BOUND, MEASURED, UNDEFINED, UPPER_BOUND, Estimate, MeanCI, max_rate,
-                              mean_ci, not_below, rate_ratio)
+                              mean_ci, not_below, not_below_points, paired_ratio, rate_ratio)
 
 
 def test_mean_ci_is_student_t_over_seeds():
@@ -35,6 +35,49 @@ def test_max_rate_reads_the_mean_and_the_bands():
     assert below.kind == UPPER_BOUND and below.value == 2.0 and "never reaches 90% even at 2" in below.note
     # a noisy recovery after the first fall does not count
     assert max_rate(pts(r1=(1, 1, 1), r2=(0.8, 0.7, 0.9), r3=(0.95, 0.9, 1)), 0.9).value == pytest.approx(1.5)
+
+
+def test_a_band_that_never_crosses_is_a_bound_not_a_closed_interval():
+    # the mean crosses 90% between 2 and 4, but the upper band is still above it at 8, the
+    # highest rate tested: the CI's upper end is only "at least 8"
+    curve = pts(r2=(0.95, 0.92, 1.0), r4=(0.85, 0.7, 0.99), r8=(0.8, 0.6, 0.95))
+    e = max_rate(curve, 0.9)
+    assert e.kind == MEASURED and e.hi == 8.0 and e.hi_open and not e.lo_open
+    assert e.describe().endswith(", >= 8]") and "[<=" not in e.describe()
+    # the lower band already below at the lowest rate: the lower end is "at most 2"
+    low = max_rate(pts(r2=(0.95, 0.8, 1.0), r4=(0.5, 0.4, 0.6)), 0.9)
+    assert low.lo == 2.0 and low.lo_open and not low.hi_open and low.describe().split("[")[1].startswith("<= 2")
+    # a ratio against an open end is open there too, and says so
+    r = rate_ratio(Estimate(4.0, 3.0, 5.0, MEASURED), e)
+    assert r.lo is None and r.lo_open and r.hi == pytest.approx(5.0 / e.lo) and "open" in r.describe()
+    both_crossed = max_rate(pts(r1=(1.0, 0.98, 1.0), r2=(0.95, 0.85, 1.0), r8=(0.2, 0.1, 0.3)), 0.9)
+    assert not both_crossed.lo_open and not both_crossed.hi_open
+
+
+def test_paired_ratio_bootstraps_the_same_seeds_for_both():
+    # token crosses 90% near 4 req/s on every seed, request near 2: the ratio is about 2
+    token = {s: {1.0: 1.0, 2.0: 0.98, 4.0: 0.9 + 0.01 * s, 8.0: 0.5} for s in range(5)}
+    request = {s: {1.0: 0.97, 2.0: 0.9 + 0.005 * s, 4.0: 0.6, 8.0: 0.2} for s in range(5)}
+    r = paired_ratio(token, request, 0.9, reps=400)
+    assert r["kind"] == MEASURED and 1.5 < r["value"] < 3.5 and r["lo"] <= r["value"] <= r["hi"]
+    assert not r["lo_open"] and not r["hi_open"] and r["seeds"] == [0, 1, 2, 3, 4]
+    assert set(r["per_seed"]) == {"0", "1", "2", "3", "4"}
+    assert all(1.5 < e["value"] < 3.5 for e in r["per_seed"].values())
+    # token never misses at the rates tested on one seed: some draws are lower bounds, so the
+    # interval's upper end is only "at least"
+    token[2] = {1.0: 1.0, 2.0: 1.0, 4.0: 1.0, 8.0: 1.0}
+    r = paired_ratio(token, request, 0.9, reps=400)
+    assert r["hi_open"] and r["per_seed"]["2"]["kind"] == LOWER_BOUND and r["censored_draws"] > 0
+    with pytest.raises(ValueError, match="seeds"):
+        paired_ratio({0: {1.0: 1.0}}, {1: {1.0: 1.0}})
+
+
+def test_not_below_on_point_estimates_allows_a_small_tolerance():
+    ok, rows = not_below_points({1.0: 0.90, 2.0: 0.70}, {1.0: 0.92, 2.0: 0.72, 4.0: 0.1}, tolerance=0.03)
+    assert ok and [r["rate"] for r in rows] == [1.0, 2.0]
+    ok, rows = not_below_points({1.0: 0.90, 2.0: 0.60}, {1.0: 0.92, 2.0: 0.72}, tolerance=0.03)
+    assert not ok and [r["below"] for r in rows] == [False, True]
+    assert not not_below_points({1.0: 1.0}, {2.0: 1.0})[0]   # nothing shared: no verdict to give
 
 
 def test_ratios_carry_intervals_and_censoring():

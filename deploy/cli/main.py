@@ -113,6 +113,10 @@ def _loadtest_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
+    if args.url:   # a running server, not contenders this command starts
+        from load_tests.url_load import run_url
+
+        return run_url(args)
     from load_tests.runner import run
 
     return run(args)
