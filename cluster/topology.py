@@ -323,6 +323,7 @@ class Topology:
             if self._owned:
                 _kill(ray, self.placement)
                 _kill(ray, self.router)
+                _forget_catalog()   # a later cluster in this namespace starts from its own config
 
     # ---- internals -------------------------------------------------------------------
 
@@ -382,6 +383,13 @@ def worker_specs(node: NodeResources, config: TopologyConfig) -> list[WorkerSpec
                        shared_kv=config.shared_kv and device == "cpu", step_bound_s=config.step_bound_s,
                        engine_nice=engine_nice)
             for i in range(count)]
+
+
+def _forget_catalog() -> None:
+    try:
+        CatalogStore().clear()
+    except Exception as exc:   # the GCS is gone with Ray: nothing is left to forget
+        logger.info("could not clear the stored catalog: %s", exc)
 
 
 def bring_up(config: TopologyConfig) -> Topology:
