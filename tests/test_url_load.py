@@ -111,8 +111,9 @@ def test_url_run_records_the_times_the_fake_server_produced(tmp_path):
         # and not much later on a loopback (a shared machine adds its noise)
         assert FIRST_S - 0.01 <= r.ttft < FIRST_S + 0.5
         if len(r.token_times) > 2:
+            # no token is seen before the fake sends it; a loaded host may read two at once
             gaps = r.tbts
-            assert min(gaps) >= GAP_S * 0.5 and GAP_S * 0.8 <= statistics.median(gaps) < GAP_S + 0.1
+            assert sum(gaps) >= len(gaps) * GAP_S - 0.01 and GAP_S * 0.8 <= statistics.median(gaps) < GAP_S + 0.1
     for rate, point in data["contenders"]["server"]["points"].items():
         assert point["num_seeds"] == 2 and set(point["per_seed"]) == {"0", "1"}
         assert point["goodput"]["mean"] == 1.0 and point["strict"]["mean"] == 1.0   # the fake is well within SLO
