@@ -143,7 +143,8 @@ class Experiment:
             start = whole[0].arrival_s + seed * span   # seed k: the k-th stretch of the file
             if whole.duration_s < start + span:
                 raise ValueError(f"{trace.path} spans {whole.duration_s:.0f} s: too short for seed {seed} "
-                                 f"at {rate:g} req/s ({span:.0f} s of the trace per seed)")
+                                 f"at {rate:g} req/s ({span:.0f} s of the trace per seed); shorten the points "
+                                 f"(--sustain-s, --sustain-requests) or replay its first requests once (--burst)")
             return spec.workload(whole.window(start, start + span), rate, nominal)
         args = replace_args(self.workload_args, arrival=trace.arrival, cv=trace.cv, seed=seed)
         from load_tests.run_setup import make_workload

@@ -55,7 +55,7 @@ def test_plan_and_loadtest_of_the_same_trace_agree_within_ten_points(ray_session
     assert runner.run(parser.parse_args([
         "loadtest", "--trace", trace, "--contenders", ",".join(POLICIES), "--workers", "1", "--models", "3",
         "--checkpoint", MODEL, "--slots", "2", "--kv-mb", "64", "--threads-per-worker", "1",
-        "--max-requests", str(NUM_REQUESTS), "--request-timeout", "60", "--seeds", "0",
+        "--burst", "--max-requests", str(NUM_REQUESTS), "--request-timeout", "60", "--seeds", "0",
         "--idle-skip", "0.5", "--settle", "0.2",   # the trace's idle stretches (most of its ~30 s) pass at once; its busy ones do not
         "--json", str(measured)])) == 0
     real = json.loads(measured.read_text())

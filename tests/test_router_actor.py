@@ -77,9 +77,13 @@ def fake_workers(ray_session):
 
 @pytest.fixture
 def cluster(ray_session, fake_workers):
-    """A fresh router (fast polling) over the fake workers, reset to their initial models."""
+    """A fresh router (fast polling) over the fake workers, reset to their initial models, and no
+    stored catalog (a PlacementService adopts its namespace's; these tests give it their own models)."""
     ray = ray_session
+    from cluster.catalog_store import CatalogStore
     from cluster.router import GlobalRouter
+
+    CatalogStore().clear()
 
     ray.get([h.reset.remote(*INITIAL[wid]) for wid, h in fake_workers.items()])
     router = GlobalRouter.remote(poll_interval_s=0.1, stats_timeout_s=2.0)
