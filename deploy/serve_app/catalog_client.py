@@ -13,12 +13,12 @@ REFRESH_S in the background, and at once by `refresh()` after a change made thro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from deploy.openai_api.engine_protocol import ServedModel, TokenizerCache
+from deploy.openai_api.admission import Ticket
+from deploy.openai_api.engine_protocol import EngineStream, ServedModel, TokenizerCache
 from scheduler.catalog import CatalogEntry, ModelCatalog
 from scheduler.messages import FINISH_ERROR, GenerateRequest, OutputFrame
 
@@ -98,16 +98,14 @@ class CatalogEngineClient:
         keys = set(await self.inner.servable_models(timeout_s))
         return sorted(name for name, e in self._catalog.entries.items() if e.key in keys)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[OutputFrame]:
+    def generate(self, req: GenerateRequest, ticket: Ticket | None = None) -> EngineStream:
         entry = self.entry(req.model)   # the version is chosen here, once
         if entry is None:
-            yield OutputFrame(req.request_id, finish_reason=FINISH_ERROR, num_prompt_tokens=len(req.prompt_token_ids),
-                              error=f"model {req.model!r} was removed from the catalog")
-            return
-        routed = dataclasses.replace(req, model=entry.key)
-        async with contextlib.aclosing(self.inner.generate(routed)) as frames:
-            async for frame in frames:
-                yield dataclasses.replace(frame, model_version=entry.fingerprint)
+            return _RemovedStream(OutputFrame(req.request_id, finish_reason=FINISH_ERROR,
+                                              num_prompt_tokens=len(req.prompt_token_ids),
+                                              error=f"model {req.model!r} was removed from the catalog"), ticket)
+        return _VersionedStream(self.inner.generate(dataclasses.replace(req, model=entry.key), ticket),
+                                entry.fingerprint)
 
     def _context(self, key: str, path: str) -> int:
         if (key, path) not in self._contexts:
@@ -115,3 +113,44 @@ class CatalogEngineClient:
 
             self._contexts[(key, path)] = ModelSpec.from_dir(path).max_position_embeddings
         return self._contexts[(key, path)]
+
+
+class _VersionedStream:
+    """The cluster client's stream of one request, each frame naming the version serving it."""
+
+    def __init__(self, inner: EngineStream, version: str) -> None:
+        self._inner = inner
+        self._version = version
+
+    def __aiter__(self) -> "_VersionedStream":
+        return self
+
+    async def __anext__(self) -> OutputFrame:
+        return dataclasses.replace(await self._inner.__anext__(), model_version=self._version)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _RemovedStream:
+    """A request for a name removed since admission: its one error frame; the ticket is released
+    once, when the frame has gone out or the stream is closed."""
+
+    def __init__(self, frame: OutputFrame, ticket: Ticket | None) -> None:
+        self._frame: OutputFrame | None = frame
+        self._ticket = ticket
+
+    def __aiter__(self) -> "_RemovedStream":
+        return self
+
+    async def __anext__(self) -> OutputFrame:
+        frame, self._frame = self._frame, None
+        if frame is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return frame
+
+    async def aclose(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            ticket.release()
