@@ -10,6 +10,7 @@ Each config switches on what sets its family apart:
   query_pre_attn_scalar 20 != head_dim, final logit softcapping, tied embeddings.
 - phi3: GQA, longrope whose pretraining length (32) most prompts plus their outputs pass, so
   both factor sets run, and partial rotary (0.75: 12 of 16 dims).
+- qwen3_moe: tests/moe_checkpoints.py's sparse config (not in FAMILIES: the MoE tests own it).
 `dtype` and `max_shard_size` write bf16 / fp16 and sharded checkpoints (with
 model.safetensors.index.json), as real ones are published.
 """
@@ -60,6 +61,15 @@ def phi3(path: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | N
                          "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
                          "long_factor": [2.0 + 1.5 * i for i in range(rotary_half)]})
     return _save(config, path, seed=33, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def qwen3_moe(path: Path, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
+    """tests/moe_checkpoints.py's Qwen3-MoE (8 experts, top-2 not renormalised, a dense layer
+    among the sparse ones) with this module's vocabulary and tokenizer, so an engine serves it."""
+    from tests.moe_checkpoints import qwen3_moe_config
+
+    config = qwen3_moe_config(**_common(intermediate_size=128))
+    return _save(config, path, seed=34, dtype=dtype, max_shard_size=max_shard_size)
 
 
 FAMILIES = {"qwen3": qwen3, "gemma3": gemma3, "phi3": phi3}

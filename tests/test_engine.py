@@ -14,6 +14,7 @@ from actors.zoo.zoo import TINY_MODELS
 from scheduler.messages import GenerateRequest
 from scheduler.policy import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.greedy_reference import hf_greedy
 
 MiB = 1 << 20
 ARCH_MODELS = ["llama-tiny-a", "qwen2-tiny-a", "mistral-tiny-a"]
@@ -29,31 +30,13 @@ def _prompts(seed: int, n: int = NUM_PROMPTS) -> list[list[int]]:
             for _ in range(n)]
 
 
-_reference_cache: dict = {}
-
-
-def hf_greedy(path, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' own greedy generate(): the correctness oracle."""
-    from transformers import AutoModelForCausalLM
-
-    key = (str(path), tuple(prompt), max_new)
-    if key not in _reference_cache:
-        model = _reference_cache.setdefault(("model", str(path)),
-                                            AutoModelForCausalLM.from_pretrained(str(path)).eval())
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_new, pad_token_id=2)
-        tokens = out[0, len(prompt):].tolist()
-        _reference_cache[key] = tokens
-    return _reference_cache[key]
-
-
 def _engine(paths: dict, num_slots: int, kv_bytes: int = 16 * MiB, slab_bytes: int = 256 * 1024,
-            host_kv_bytes: int = 16 * MiB, policy: str = "token", **scheduler) -> Engine:
-    slot = max(WeightLayout.from_dir(p).total_bytes for p in paths.values())
+            host_kv_bytes: int = 16 * MiB, policy: str = "token", dtype: str | None = None, **scheduler) -> Engine:
+    as_dtype = getattr(torch, dtype) if dtype else None
+    slot = max(WeightLayout.from_dir(p, dtype=as_dtype).total_bytes for p in paths.values())
     config = EngineConfig(budget_bytes=kv_bytes + num_slots * (slot + 4096), kv_bytes=kv_bytes,
                           num_slots=num_slots, slab_bytes=slab_bytes, host_kv_bytes=host_kv_bytes,
-                          policy=policy, scheduler=SchedulerConfig(**scheduler))
+                          policy=policy, dtype=dtype, scheduler=SchedulerConfig(**scheduler))
     engine = Engine(config)
     for name, path in paths.items():
         engine.register_model(name, path)
@@ -321,7 +304,6 @@ def test_new_families_taking_turns_in_two_slots_equal_hf_generate(family_paths, 
     every greedy output equals generate(), on the reference and the fast path. Prompts up to 40
     tokens plus 12 new pass Gemma's window of 8 and Phi-3's pretraining length of 32."""
     from actors.kernel_path import KernelPath
-    from transformers import AutoModelForCausalLM
 
     layouts = [KernelPath(kernels, "cpu").weight_layout(p, torch.float32) for p in family_paths.values()]
     slot, kv = max(layout.total_bytes for layout in layouts), 16 * MiB
@@ -331,12 +313,49 @@ def test_new_families_taking_turns_in_two_slots_equal_hf_generate(family_paths, 
         engine.register_model(name, path)
     reqs = _greedy_requests(list(family_paths), seed=7)[:3 * 8]
     out = _run(engine, reqs)
-    for name, path in family_paths.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        for r in (r for r in reqs if r.model == name):
-            prompt = torch.tensor([r.prompt_token_ids])
-            with torch.inference_mode():
-                ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                  max_new_tokens=MAX_NEW, pad_token_id=2)[0, prompt.shape[1]:].tolist()
-            assert out[r.request_id]["tokens"] == ref, (r.request_id, name, len(r.prompt_token_ids))
+    for r in reqs:
+        assert out[r.request_id]["tokens"] == hf_greedy(family_paths[r.model], list(r.prompt_token_ids), MAX_NEW), \
+            (r.request_id, r.model, len(r.prompt_token_ids))
     assert sum(engine.slots.stats()["swaps_per_model"].values()) > 3, "three models took turns in two slots"
+
+
+@pytest.mark.slow
+def test_a_four_family_mix_under_bursts_switches_token_by_token_and_stays_exact(family_paths, zoo_model, tmp_path):
+    """Qwen3 (bf16, sharded), Qwen3-MoE, Gemma 3 and Llama in one engine with two weight slots
+    and one KV pool, token-level policy, run in float32 as the oracle loads them. Two bursts
+    (16 requests at once, then 8 more while those run): every greedy output equals generate(),
+    and the models take turns token by token: each model's requests are paused mid-output for
+    another model's tokens and resumed, instead of one model running its requests to the end."""
+    from family_checkpoints import qwen3_moe
+
+    paths = {"qwen3": family_paths["qwen3"], "qwen3-moe": qwen3_moe(tmp_path / "qwen3-moe"),
+             "gemma3": family_paths["gemma3"], "llama": zoo_model("llama-tiny-a")}
+    engine = _engine(paths, num_slots=2, policy="token", dtype="float32")
+    reqs = _greedy_requests(list(paths), seed=13)[:24]
+    model_of = {r.request_id: r.model for r in reqs}
+    for r in reqs[:16]:
+        engine.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    calls: list[tuple[str, set[str]]] = []   # per step() call: its model, the requests it gave tokens
+    while engine.has_unfinished():
+        frames = [f for f in engine.step() if f.token_ids]
+        for f in frames:
+            out[f.request_id] += f.token_ids
+        if frames:
+            calls.append((model_of[frames[0].request_id], {f.request_id for f in frames}))
+        if len(calls) == 6:   # the second burst arrives while the first is in flight
+            for r in reqs[16:]:
+                engine.add_request(r)
+        assert len(calls) < 5000, "engine did not finish"
+    for r in reqs:
+        assert out[r.request_id] == hf_greedy(paths[r.model], list(r.prompt_token_ids), MAX_NEW), \
+            (r.request_id, r.model, len(r.prompt_token_ids))
+
+    def paused_and_resumed(request_id: str) -> bool:   # another model's tokens came between two of its own
+        mine = [i for i, (_, ids) in enumerate(calls) if request_id in ids]
+        return any(model != model_of[request_id] for model, _ in calls[mine[0]:mine[-1]])
+
+    paused = {m: [r.request_id for r in reqs if r.model == m and paused_and_resumed(r.request_id)] for m in paths}
+    assert all(paused.values()), f"a model ran its requests to the end without a switch: {paused}"
+    turns = sum(1 for a, b in zip(calls, calls[1:]) if a[0] != b[0])
+    assert turns >= 2 * len(paths), f"only {turns} switches between models for {len(reqs)} requests"

@@ -30,6 +30,7 @@ from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from actors.zoo.zoo import TINY_MODELS, ensure_model
 from tests import moe_checkpoints
+from tests.greedy_reference import hf_greedy
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
 
@@ -119,8 +120,6 @@ def moe_paths(tmp_path_factory) -> dict[str, Path]:
 def test_moe_fast_path_gives_transformers_greedy_tokens(moe_paths, checkpoint, form, prefix, monkeypatch):
     """The fast MoE layouts, from either way a checkpoint stores experts: greedy output equals
     transformers' generate, token for token."""
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.setattr(layer_kernels, "PACK_MIN_ELEMENTS", 0)
     path = moe_paths[checkpoint]
     spec = ModelSpec.from_dir(path)
@@ -132,12 +131,10 @@ def test_moe_fast_path_gives_transformers_greedy_tokens(moe_paths, checkpoint, f
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(8, spec.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     _, tokens, _ = _greedy(ModelRunner(spec, "cpu", kernels="fast"), params, prompts)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for b, prompt in enumerate(prompts):
-        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=STEPS, do_sample=False, pad_token_id=spec.eos_token_ids[0])[0, len(prompt):]
+        want = hf_greedy(path, prompt, STEPS)
         got = [step[b] for step in tokens][:len(want)]
-        assert got == want.tolist(), f"{checkpoint} / {form}: prompt of {len(prompt)} tokens"
+        assert got == want, f"{checkpoint} / {form}: prompt of {len(prompt)} tokens"
 
 
 # (96, 80): the blocked layout where the C++ kernels build; (100, 80): 100 output

@@ -12,6 +12,7 @@ import pytest
 
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
+from tests.greedy_reference import hf_greedy
 
 MiB = 1 << 20
 MODEL = "llama-tiny-a"    # 2 layers x 4 kv heads x 32 x fp32: a KV block is 32 KiB
@@ -345,9 +346,6 @@ def test_new_families_decode_after_a_handoff_as_on_one_worker(tmp_path, family):
 def test_a_moe_model_handed_off_decodes_what_generate_decodes(zoo_model):
     """A sparse MoE (mixtral-tiny-a) served under the same name: prefill on one engine, KV over
     shared memory, decode on another; the tokens are transformers' greedy ones."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     moe_path = zoo_model("mixtral-tiny-a")
     (src, dst), transfers = _ends(lambda buf: _engine(moe_path, buf), lambda: _engine(moe_path), shared=True)
     try:
@@ -358,7 +356,5 @@ def test_a_moe_model_handed_off_decodes_what_generate_decodes(zoo_model):
     finally:
         for t in transfers:
             t.close()
-    hf = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
-    want = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-                       max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)[0, len(PROMPT):].tolist()
+    want = hf_greedy(moe_path, PROMPT, MAX_TOKENS)
     assert got[:len(want)] == want   # generate() stops at an EOS, the request (ignore_eos) goes on

@@ -22,6 +22,7 @@ from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.zoo.zoo import ensure_model
 from tests import moe_checkpoints
+from tests.greedy_reference import hf_greedy, hf_model
 
 BLOCK = 16
 MAX_NEW = 10
@@ -35,23 +36,16 @@ class Model:
         self.spec = ModelSpec.from_dir(path)
         self.params = {name: t.float() for file in sorted(path.glob("*.safetensors"))   # every shard
                        for name, t in load_file(str(file)).items()}
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.path = path
+        self.hf = hf_model(path)
         self.runner = ModelRunner(self.spec, torch.device("cpu"))
-        self._refs: dict[tuple[int, ...], list[int]] = {}
 
     def new_kv(self, blocks_per_slab: int = 40) -> torch.Tensor:
         s = self.spec  # [slabs, blocks_per_slab, L, 2, 16, Hkv, D]
         return torch.zeros(2, blocks_per_slab, s.num_layers, 2, BLOCK, s.num_kv_heads, s.head_dim)
 
     def reference(self, prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in self._refs:
-            out = self.hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=self.spec.eos_token_ids[0],
-            )
-            self._refs[key] = out[0, len(prompt):].tolist()
-        return self._refs[key]
+        return hf_greedy(self.path, prompt, MAX_NEW)
 
 
 class Blocks:

@@ -193,3 +193,20 @@ def test_while_replicas_register_the_router_may_use_those_that_hold_the_model_al
     assert dict(now.assignments) == {"a": ("w0", "w1"), "b": ("w1",)}   # c: no worker holds it yet
     assert now.version == plan.version and now.roles == plan.roles
     assert "c" not in routable_now(plan, views, None).assignments
+
+
+def test_a_moe_checkpoint_is_placed_by_every_experts_bytes_not_its_active_ones(zoo_model):
+    """mixtral-tiny-a reads 2 of its 4 experts per token, but a worker must hold all of them:
+    the checkpoint's entry counts every tensor, and a slot sized to the active weights is refused."""
+    from actors.model_spec import ModelSpec
+    from actors.weight_layout import WeightLayout
+    from cluster.placement_service import model_entry
+
+    path = zoo_model("mixtral-tiny-a")
+    _, info = model_entry("moe", str(path))
+    spec = ModelSpec.from_dir(path)
+    active = spec.num_active_params * spec.dtype_bytes
+    assert info.weight_bytes == WeightLayout.from_dir(path).total_bytes > active
+    small = PlacementPolicy().plan(workers(2, slot=active), {"moe": info})
+    assert "moe" in small.unplaceable and not small.workers_for("moe")
+    assert PlacementPolicy().plan(workers(2, slot=info.weight_bytes), {"moe": info}).workers_for("moe")

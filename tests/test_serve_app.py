@@ -85,19 +85,16 @@ def test_models_and_a_completion_over_http(url):
 
 def test_a_moe_model_over_http_writes_transformers_greedy_text(url):
     """The sparse MoE among the served models: its greedy completion is generate()'s."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from actors.zoo.zoo import ensure_model
+    from tests.greedy_reference import hf_greedy
 
     path = ensure_model("mixtral-tiny-a")
     resp = httpx.post(f"{url}/v1/completions", json=_body("moe-c", max_tokens=10), timeout=60)
     assert resp.status_code == 200, resp.text
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                       pad_token_id=2)[0, ids.shape[1]:]
+    want = hf_greedy(path, tokenizer("The quick brown fox")["input_ids"], 10)
     assert resp.json()["choices"][0]["text"].startswith(tokenizer.decode(want, skip_special_tokens=True))
 
 

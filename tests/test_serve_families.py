@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
+from tests.greedy_reference import hf_greedy
 from tests.net import free_port
 
 APP = "tokenmux-families"
@@ -29,20 +29,16 @@ def served(ray_session, tmp_path_factory):
 
 
 def test_completions_of_the_new_families_equal_hf_generate(served):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     url, paths = served
     for name, path in paths.items():
         tokenizer = AutoTokenizer.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for prompt in PROMPTS:
             resp = httpx.post(f"{url}/v1/completions", timeout=120, json={
                 "model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
             assert resp.status_code == 200, resp.text
-            ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=MAX_TOKENS, pad_token_id=2)[0, ids.shape[1]:].tolist()
+            out = hf_greedy(path, tokenizer(prompt)["input_ids"], MAX_TOKENS)
             choice = resp.json()["choices"][0]
             assert choice["text"] == tokenizer.decode(out, skip_special_tokens=True), (name, prompt)
             assert resp.json()["usage"]["completion_tokens"] == len(out), (name, prompt)

@@ -8,6 +8,7 @@ import pytest
 from cluster.planner.workloads import FixedLengths, Poisson, Uniform, generate
 from load_tests.driver import run
 from load_tests.peers.serve_multiplexed import MultiplexedTarget, build_multiplexed_app, start_multiplexed
+from tests.greedy_reference import hf_greedy
 from tests.polling import wait_until
 
 MODELS = ("llama-tiny-a", "qwen2-tiny-b", "mistral-tiny-c")
@@ -25,17 +26,6 @@ def peer(ray_session, paths):
                                          threads_per_replica=1, app_name="multiplexed-peer-test")
     yield target
     shutdown()
-
-
-def hf_greedy(path, prompt, max_new):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, do_sample=False,
-                         pad_token_id=model.generation_config.pad_token_id)
-    return out[0, len(prompt):].tolist()
 
 
 async def collect(target, model, prompt, max_tokens, request_id):
