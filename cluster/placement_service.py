@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -36,38 +37,45 @@ from cluster.status import LoadReport
 from scheduler.placement import (ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes,
                                  routable_now)
 from scheduler.slo import SLO
+from scheduler.tp_groups import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
 
-def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
-    """(path, ModelInfo) from a checkpoint path, or a dict {path, weight_bytes, kv_bytes_per_token}."""
+def model_entry(name: str, source: Any, tensor_parallel: int = 1) -> tuple[str, ModelInfo]:
+    """(path, ModelInfo) from a checkpoint path, or a dict {path, weight_bytes?, kv_bytes_per_token?,
+    tensor_parallel?}; `tensor_parallel` is the degree when the dict does not give one."""
     if isinstance(source, dict):
         path = source.get("path")
         if not path:
             raise ValueError(f"model {name!r}: entry needs a 'path'")
+        tensor_parallel = check_tensor_parallel(source.get("tensor_parallel", tensor_parallel), model=name)
         if "weight_bytes" in source:
-            return str(path), ModelInfo.of(source)
+            return str(path), ModelInfo.of({**source, "tensor_parallel": tensor_parallel})
     else:
         path = source
     from actors.model_spec import ModelSpec   # reads headers only, no torch
 
     spec = ModelSpec.from_dir(path)
     kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes
-    return str(path), ModelInfo(spec.weight_bytes, kv_per_token)
+    return str(path), ModelInfo(spec.weight_bytes, kv_per_token,
+                                tensor_parallel=check_tensor_parallel(tensor_parallel, model=name))
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)   # restarted in place; the supervisor calls start() again
 class PlacementService:
     def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, SLO] | None = None,
-                 config: PlacementConfig | None = None, interval_s: float = 2.0, router=None):
+                 config: PlacementConfig | None = None, interval_s: float = 2.0, router=None,
+                 tensor_parallel: dict[str, int] | None = None):
+        """`tensor_parallel`: model -> devices of its group, as the app config declares them (default 1)."""
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self._policy = PlacementPolicy(config)
+        self._tensor_parallel = dict(tensor_parallel or {})
         self._paths: dict[str, str] = {}
         self._infos: dict[str, ModelInfo] = {}
         for name, source in (models or {}).items():
-            self._paths[name], self._infos[name] = model_entry(name, source)
+            self._paths[name], self._infos[name] = model_entry(name, source, self._tensor_parallel.get(name, 1))
         self._slos = dict(slos or {})
         self._adopt_stored_catalog()
         self._interval_s = interval_s
@@ -96,7 +104,7 @@ class PlacementService:
         self._infos = {k: i for k, i in self._infos.items() if k in placed}
         for key, path in placed.items():
             if key not in self._infos:
-                self._paths[key], self._infos[key] = model_entry(key, path)
+                self._paths[key], self._infos[key] = model_entry(key, path, self._tensor_parallel.get(key, 1))
         for entry in catalog.entries.values():
             base = self._slos.get(entry.key) or default or SLO()
             self._slos[entry.key] = SLO(entry.ttft_s or base.ttft_s, entry.tbt_s or base.tbt_s)
@@ -168,13 +176,15 @@ class PlacementService:
             return plan
         assignments, unplaceable = {}, dict(plan.unplaceable)
         for m, ws in plan.assignments.items():
-            kept = tuple(w for w in ws if (w, m) not in failed)
+            # a group runs every step together: one member that failed takes the whole group out
+            group_failed = any((w, m) in failed for w in plan.group_of(m))
+            kept = () if group_failed else tuple(w for w in ws if (w, m) not in failed)
             if kept:
                 assignments[m] = kept
             else:
                 unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
-        return PlacementPlan(assignments=assignments, roles=plan.roles, models=plan.models, slos=plan.slos,
-                             demand=plan.demand, unplaceable=unplaceable, version=plan.version)
+        groups = {m: g for m, g in plan.groups.items() if m in assignments}
+        return replace(plan, assignments=assignments, unplaceable=unplaceable, groups=groups)
 
     async def _set_roles(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
         todo = [(w, r) for w, r in plan_changes(plan, views).roles if w in handles]

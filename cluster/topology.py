@@ -29,6 +29,7 @@ from actors.metrics import MetricsExporter
 from cluster.catalog_store import CatalogStore
 from cluster.node_watcher import NodeWatcher
 from cluster.placement_service import get_or_create_placement
+from scheduler.tp_groups import check_tensor_parallel
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
 from cluster.supervisor import Supervisor
@@ -72,6 +73,7 @@ class TopologyConfig:
     shared_kv: bool = True                 # CPU workers keep KV in /dev/shm (zero-copy handoff)
     engine_nice: int | None = None         # engine threads' lower CPU priority (None: 10 on a virtual device, else 0)
     detached: bool = False                 # actors outlive the driver that brought them up
+    tensor_parallel: dict = field(default_factory=dict)  # model -> devices of its group (omitted: 1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.models, dict) or not self.models:
@@ -82,6 +84,10 @@ class TopologyConfig:
             if not Path(path).is_dir():
                 raise ValueError(f"model {name!r}: checkpoint dir {path!r} does not exist")
         object.__setattr__(self, "models", {n: str(p) for n, p in self.models.items()})
+        for name, degree in self.tensor_parallel.items():
+            if name not in self.models:
+                raise ValueError(f"tensor_parallel names {name!r}, which is not among the models")
+            check_tensor_parallel(degree, self.devices_per_node, model=name)
         for name in ("devices_per_node", "threads_per_worker"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -436,7 +442,8 @@ def start_placement(config: TopologyConfig, router):
     placement = get_or_create_placement(detached=config.detached, models=dict(config.models),
                                         slos={m: config.slo for m in config.models},
                                         config=PlacementConfig(**config.placement),
-                                        interval_s=config.placement_interval_s, router=router)
+                                        interval_s=config.placement_interval_s, router=router,
+                                        tensor_parallel=dict(config.tensor_parallel))
     ray.get(placement.start.remote(), timeout=CALL_TIMEOUT_S)
     return placement
 

@@ -9,6 +9,13 @@ Rules, all enforced in `PlacementPolicy.plan`:
 
 - Fit: a model goes only on a worker whose slot can hold its weights
   (weight_bytes <= slot_bytes). A model that fits nowhere is `unplaceable`, with a reason.
+- Tensor parallel (scheduler/tp_groups.py): a model with `tensor_parallel` N > 1 gets a
+  group of N distinct workers of one node, each slot holding its share (weight_bytes / N);
+  the plan's `groups` lists them, leader first, and its `assignments` the leader alone (the
+  router sends the model's requests there). One group per model (no replicas yet); it
+  serves both phases whatever its members' roles. Packing then counts the group's turns
+  on every member (each member runs every step of the group), so the single-device models
+  that share those workers are packed around them.
 - Cold models cost no device: every placeable model gets at least one worker that *may*
   hold it; its weights enter a slot only when a request comes.
 - Demand of a model = max(queued + running, rate x request_s) (Little's law), i.e. the
@@ -50,6 +57,7 @@ from typing import Any
 from scheduler.packing import ModelCost, PackItem, PackLimits, WorkerBin, pack, replica, replicas_needed
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.slo import SLO
+from scheduler.tp_groups import check_tensor_parallel, choose_group, device_share
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +72,22 @@ class ModelInfo:
     decode_step_s: float = 0.0              # one decode step, batch of 1
     decode_step_per_request_s: float = 0.0  # added per request in the batch
     prefill_s: float = 0.0                  # one typical prompt
+    tensor_parallel: int = 1                # devices of its group, on one node (scheduler/tp_groups.py)
 
     def __post_init__(self) -> None:
         if self.weight_bytes <= 0:
             raise ValueError(f"weight_bytes must be > 0, got {self.weight_bytes!r}")
+        check_tensor_parallel(self.tensor_parallel)
         if self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token!r}")
         for name in ("decode_step_s", "decode_step_per_request_s", "prefill_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """What one device of its group holds (all of it at tensor_parallel 1)."""
+        return device_share(self.weight_bytes, self.tensor_parallel)
 
     @classmethod
     def of(cls, value: Any) -> "ModelInfo":
@@ -81,7 +96,8 @@ class ModelInfo:
             return value
         if isinstance(value, Mapping):
             return cls(int(value["weight_bytes"]), int(value.get("kv_bytes_per_token", 0)),
-                       *(float(value.get(k, 0.0)) for k in _COST_KEYS))
+                       *(float(value.get(k, 0.0)) for k in _COST_KEYS),
+                       tensor_parallel=int(value.get("tensor_parallel", 1)))
         if isinstance(value, (tuple, list)):
             return cls(*(int(v) for v in value))
         return cls(int(value))
@@ -170,12 +186,20 @@ class PlacementPlan:
     demand: Mapping[str, float] = field(default_factory=dict)
     unplaceable: Mapping[str, str] = field(default_factory=dict)   # model -> why
     version: int = 0
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # TP model -> its workers, leader first
 
     def workers_for(self, model: str) -> tuple[str, ...]:
+        """Where the model's requests go: its workers, or its group's leader alone."""
         return tuple(self.assignments.get(model, ()))
 
+    def group_of(self, model: str) -> tuple[str, ...]:
+        """The workers of a TP model's group, leader first; () for a single-device model."""
+        return tuple(self.groups.get(model, ()))
+
     def models_for(self, worker_id: str) -> list[str]:
-        return sorted(m for m, ws in self.assignments.items() if worker_id in ws)
+        """Models the worker holds (registers): routed to it, or its share as a group member."""
+        return sorted(m for m, ws in self.assignments.items()
+                      if worker_id in ws or worker_id in self.groups.get(m, ()))
 
     def weight_bytes(self, model: str) -> int | None:
         info = self.models.get(model)
@@ -194,8 +218,10 @@ class PlacementPlan:
             "split": self.split,
             "assignments": {m: list(ws) for m, ws in sorted(self.assignments.items())},
             "roles": dict(sorted(self.roles.items())),
+            "groups": {m: list(ws) for m, ws in sorted(self.groups.items())},
             "models": {m: {"weight_bytes": i.weight_bytes, "kv_bytes_per_token": i.kv_bytes_per_token,
-                           **{k: getattr(i, k) for k in _COST_KEYS if getattr(i, k)}}
+                           **{k: getattr(i, k) for k in _COST_KEYS if getattr(i, k)},
+                           **({"tensor_parallel": i.tensor_parallel} if i.tensor_parallel > 1 else {})}
                        for m, i in sorted(self.models.items())},
             "slos": {m: {"ttft_s": s.ttft_s, "tbt_s": s.tbt_s} for m, s in sorted(self.slos.items())},
             "demand": dict(sorted(self.demand.items())),
@@ -212,6 +238,7 @@ class PlacementPlan:
             demand=dict(d.get("demand", {})),
             unplaceable=dict(d.get("unplaceable", {})),
             version=int(d.get("version", 0)),
+            groups={m: tuple(ws) for m, ws in d.get("groups", {}).items()},
         )
 
 
@@ -263,6 +290,7 @@ class PlacementPolicy:
         self._replicas: dict[str, int] = {}
         self._cool_since: dict[str, float] = {}
         self._assigned: dict[str, list[str]] = {}   # model -> workers, in the order they were added
+        self._groups: dict[str, tuple[str, ...]] = {}   # TP model -> its group, leader first
         self._roles_prev: dict[str, str] = {}
         self._split = False
         self._merge_since: float | None = None
@@ -281,13 +309,19 @@ class PlacementPolicy:
         loads = {m: ModelLoad.of(v) for m, v in (load or {}).items()}
         demand, rates = self._held_demand(infos, loads, now)
         largest = max((w.slot_bytes for w in live), default=0)
+        cached_on_node: dict[str, set[str]] = collections.defaultdict(set)
+        for w in live:
+            cached_on_node[w.node_id].update(getattr(w, "host_cached", ()))
         unplaceable = {}
         for m, info in infos.items():
             if not live:
                 unplaceable[m] = "no live workers"
-            elif info.weight_bytes > largest:
-                unplaceable[m] = f"weights of {info.weight_bytes} bytes exceed the largest slot ({largest} bytes)"
-        placeable = sorted((m for m in infos if m not in unplaceable), key=lambda m: (-demand.get(m, 0.0), m))
+            elif info.tensor_parallel == 1 and info.weight_bytes > largest:
+                unplaceable[m] = (f"weights of {info.weight_bytes} bytes exceed the largest slot ({largest} bytes); "
+                                  f"a model larger than one device needs tensor_parallel > 1")
+        by_demand = sorted((m for m in infos if m not in unplaceable), key=lambda m: (-demand.get(m, 0.0), m))
+        groups = self._place_groups(live, infos, by_demand, cached_on_node, unplaceable)
+        placeable = [m for m in by_demand if m not in unplaceable]
 
         # Roles have their own cooldown: they follow the demand observed now.
         observed = sum(max(float(l.queued + l.running), l.rate_rps * cfg.request_s)
@@ -295,9 +329,6 @@ class PlacementPolicy:
         roles = self._roles(live, observed, now)
         pools = [[w for w in live if roles[w.worker_id] == r] for r in ("prefill", "decode")] \
             if self._split else [live]
-        cached_on_node: dict[str, set[str]] = collections.defaultdict(set)
-        for w in live:
-            cached_on_node[w.node_id].update(getattr(w, "host_cached", ()))
 
         slos = dict(slos or {})
         measured = sorted(w.step_time_s for w in live if getattr(w, "step_time_s", 0.0) > 0)
@@ -309,9 +340,17 @@ class PlacementPolicy:
         for pool in (p for p in pools if p):
             role = roles[pool[0].worker_id]
             bins = [WorkerBin(w.worker_id, max(1, int(getattr(w, "num_slots", 1))), role, limits) for w in pool]
+            by_id = {b.worker_id: b for b in bins}
+            for m, group in groups.items():   # each member runs every step of its group: full demand on each
+                share = replica(m, costs[m], demand.get(m, 0.0), rates.get(m, 0.0), 1)
+                for wid in group:
+                    if wid in by_id:
+                        by_id[wid].add(share)
             pool_ids = {w.worker_id for w in pool}
             items = []
             for m in placeable:
+                if m in groups:
+                    continue
                 fits = frozenset(w.worker_id for w in pool if w.slot_bytes >= infos[m].weight_bytes)
                 if not fits:
                     continue   # this pool cannot hold it; the other pool (or mixed) serves both phases
@@ -325,14 +364,16 @@ class PlacementPolicy:
                 items.append(PackItem(m, n, replica(m, costs[m], d, rate, n), fits, sticky, cached))
             for m, chosen in pack(bins, items).items():
                 assignments[m].extend(chosen)
+        for m, group in groups.items():
+            assignments[m] = [group[0]]   # its requests go to the leader
         for m in placeable:
             if not assignments[m]:   # every worker whose slot fits it already holds max_models_per_worker
                 unplaceable[m] = (f"every worker that fits it already holds {cfg.max_models_per_worker} "
                                   f"models (max_models_per_worker)")
                 del assignments[m]
 
-        changed = (self._assigned, self._roles_prev) != (assignments, roles)
-        self._assigned, self._roles_prev = assignments, roles
+        changed = (self._assigned, self._roles_prev, self._groups) != (assignments, roles, groups)
+        self._assigned, self._roles_prev, self._groups = assignments, roles, groups
         for key in list(self._replicas):
             if key[0] not in infos:
                 self._replicas.pop(key)
@@ -345,8 +386,28 @@ class PlacementPolicy:
             assignments={m: tuple(ws) for m, ws in assignments.items()},
             roles=roles, models=infos, slos=slos,
             demand={m: demand.get(m, 0.0) for m in infos}, unplaceable=unplaceable,
-            version=self._version,
+            version=self._version, groups=groups,
         )
+
+    def _place_groups(self, live: list, infos: Mapping[str, ModelInfo], by_demand: list[str],
+                      cached_on_node: Mapping[str, set[str]], unplaceable: dict[str, str]) -> dict[str, tuple[str, ...]]:
+        """A group for each TP model in `by_demand` (busiest first), spread over the nodes;
+        one that no node can hold goes to `unplaceable`, with the reason."""
+        groups: dict[str, tuple[str, ...]] = {}
+        members: collections.Counter = collections.Counter()
+        for m in by_demand:
+            info = infos[m]
+            if info.tensor_parallel == 1:
+                continue
+            group = choose_group(info.tensor_parallel, info.device_weight_bytes, live, self._groups.get(m, ()),
+                                 (node for node, ms in cached_on_node.items() if m in ms), members)
+            if not group:
+                unplaceable[m] = (f"tensor_parallel {info.tensor_parallel} needs {info.tensor_parallel} workers "
+                                  f"on one node with slots of >= {info.device_weight_bytes} bytes; no node has them")
+                continue
+            groups[m] = group
+            members.update(group)
+        return groups
 
     def _held_demand(self, infos: Mapping[str, ModelInfo], loads: Mapping[str, ModelLoad],
                      now: float) -> tuple[dict[str, float], dict[str, float]]:
@@ -375,7 +436,7 @@ class PlacementPolicy:
             decode_step_s=info.decode_step_s or measured_step_s or cfg.default_decode_step_s,
             decode_step_per_request_s=info.decode_step_per_request_s,
             prefill_s=info.prefill_s or cfg.default_prefill_s,
-            switch_s=info.weight_bytes / cfg.swap_bytes_per_s, tbt_s=slo.tbt_s, ttft_s=slo.ttft_s)
+            switch_s=info.device_weight_bytes / cfg.swap_bytes_per_s, tbt_s=slo.tbt_s, ttft_s=slo.ttft_s)
 
     def _replica_count(self, key: tuple[str, str], needed: int, needed_in: int, max_replicas: int,
                        now: float) -> int:

@@ -5,7 +5,8 @@ worker, built from the worker's latest `WorkerStats` (its measured decode step t
 included) plus what the router itself has dispatched since, and asks `RoutingPolicy.pick`. The rule, enforced in `pick`:
 
   1. Candidates are the live workers the placement plan lets hold the model (without a
-     plan: the workers that have it registered). New requests go to workers that
+     plan: the workers that have it registered; for a tensor-parallel model, its group's
+     leader, while every member is alive). New requests go to workers that
      prefill ("prefill" or "mixed" role); `pick_decode` chooses among "decode"/"mixed".
   2. Each candidate gets a predicted delay before the request's first token:
      swap-in cost (0 if the weights are resident in a slot, a host->device copy if they
@@ -86,9 +87,12 @@ class RoutingPolicy:
 
     def candidates(self, model: str, views: Iterable[WorkerView],
                    plan: "PlacementPlan | None" = None) -> list[WorkerView]:
-        """Live workers that may hold `model` (all roles)."""
+        """Live workers that may hold `model` (all roles). A TP model's is its group's leader,
+        and none while a member of its group is down (the group runs every step together)."""
         live = [v for v in views if v.alive]
         if plan is not None:
+            if not set(plan.group_of(model)) <= {v.worker_id for v in live}:
+                return []
             allowed = set(plan.workers_for(model))
             return [v for v in live if v.worker_id in allowed]
         return [v for v in live if model in v.registered]
@@ -96,8 +100,7 @@ class RoutingPolicy:
     def servable(self, views: Iterable[WorkerView], plan: "PlacementPlan | None" = None) -> list[str]:
         live = [v for v in views if v.alive]
         if plan is not None:
-            ids = {v.worker_id for v in live}
-            return sorted(m for m, ws in plan.assignments.items() if ids.intersection(ws))
+            return sorted(m for m in plan.assignments if self.candidates(m, live, plan))
         return sorted(set().union(*(v.registered for v in live))) if live else []
 
     def predicted_delay_s(self, model: str, view: WorkerView, weight_bytes: int | None = None,

@@ -72,11 +72,12 @@ def serve_args(ns: argparse.Namespace) -> tuple["AppArgs", str, int]:
 def run_serve(ns: argparse.Namespace) -> int:
     from cluster.ray_runtime import connect_or_start
     from deploy.cli.console import check_port_free, quiet_ray, stop_on_sigterm
-    from deploy.serve_app.app_args import check_local_sources
+    from deploy.serve_app.app_args import check_local_sources, check_model_fits
 
     verbose = bool(getattr(ns, "verbose", False))
     args, host, port = serve_args(ns)
     check_local_sources(args.models)   # before Ray starts: a bad path is one line, at once
+    check_model_fits(args, args.models)
     if not (ns.address or os.environ.get("RAY_ADDRESS")):   # a joined cluster's Serve may hold it already
         check_port_free(host, port)
     quiet_ray(verbose)

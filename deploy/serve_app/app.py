@@ -27,7 +27,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from actors.heap import freeze_heap
-from deploy.serve_app.app_args import AppArgs, check_local_sources, parse_app_args, resolve_model_sources
+from deploy.serve_app.app_args import (AppArgs, check_local_sources, check_model_fits, parse_app_args,
+                                       resolve_model_sources)
 from cluster.status import ClusterStatus
 from deploy.openai_api.protocol import IngressRequest
 
@@ -65,7 +66,7 @@ def topology_config(args: AppArgs, models: dict[str, str]):
 
     return TopologyConfig(models=models, engine=args.engine_config(), devices_per_node=args.devices_per_node,
                           threads_per_worker=args.threads_per_worker, engine_nice=args.engine_nice,
-                          slo=SLO(args.slo.ttft_s, args.slo.tbt_s))
+                          slo=SLO(args.slo.ttft_s, args.slo.tbt_s), tensor_parallel=dict(args.tensor_parallel))
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64,
@@ -80,6 +81,7 @@ class TokenmuxCluster:
         self._topology = None
         self._models = await asyncio.to_thread(resolve_model_sources, self.args.models)
         check_local_sources(self._models)   # one line naming path and cause, before any worker starts
+        check_model_fits(self.args, self._models)
         config = topology_config(self.args, self._models)
         await asyncio.to_thread(_kill_stale_topology)
         self._topology = await asyncio.to_thread(bring_up, config)

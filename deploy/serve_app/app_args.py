@@ -9,12 +9,14 @@
       policy: token            # token | request | dedicated (scheduler/policy_registry.py)
       scheduler: {quota_max_s: 4.0, quota_switch_factor: 8.0}   # SchedulerConfig fields; omitted: its defaults
       devices_per_node: 2      # virtual devices per node on CPU hosts (omit on GPUs)
+      tensor_parallel: {qwen-72b: 2}   # devices of a model's group on one node (omitted: 1)
       api_keys: [sha256:...]   # HTTP needs one of these keys (or $TOKENMUX_API_KEYS); digests or keys
       require_api_key: true    # refuse to start without one (a config that listens beyond loopback)
       max_waiting_per_model: 256   # then 429 + Retry-After; also when predicted TTFT > ttft_slo_multiple x SLO
 
 A model is a local checkpoint directory, or `zoo:NAME` for a model of the offline zoo
-(built on first use). Unknown keys are refused, and every error names its field. API keys
+(built on first use). A model whose weights exceed one device's weight slot is refused
+unless its `tensor_parallel` degree splits it small enough (scheduler/tp_groups.py). Unknown keys are refused, and every error names its field. API keys
 are held as `sha256:<hex>` digests from parsing on (deploy/openai_api/auth.py), so the
 args Serve stores and shows carry no key.
 """
@@ -28,6 +30,7 @@ from deploy.openai_api.auth import key_digests
 from deploy.openai_api.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_STALL_TIMEOUT_S
 from scheduler.policy import SchedulerConfig
 from scheduler.policy_registry import check_policy_name
+from scheduler.tp_groups import check_fits_device, check_tensor_parallel
 
 if TYPE_CHECKING:
     from actors.engine import EngineConfig
@@ -91,6 +94,9 @@ class AppArgs(BaseModel):
     scheduler: SchedulerArgs = Field(default_factory=SchedulerArgs)
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     devices_per_node: int | None = Field(None, ge=1, description="virtual devices per node (CPU hosts)")
+    tensor_parallel: dict[str, int] = Field(default_factory=dict, description="model -> devices of its "
+                                            "tensor-parallel group on one node: a power of two dividing "
+                                            "the node's devices (omitted: 1)")
     threads_per_worker: int | None = Field(None, ge=1, description="torch threads per worker (CPU hosts)")
     engine_nice: int | None = Field(None, ge=0, le=19, description="how much lower the engine threads' CPU priority "
                                                                    "is (default: 10 on a virtual device, else 0)")
@@ -164,6 +170,11 @@ class AppArgs(BaseModel):
     def _check_budget(self) -> "AppArgs":
         if self.budget_bytes is not None and self.budget_gb is not None:
             raise ValueError("give budget_bytes or budget_gb, not both")
+        for name, degree in self.tensor_parallel.items():
+            if name not in self.models:
+                raise ValueError(f"tensor_parallel names {name!r}, which is not among the models "
+                                 f"({', '.join(self.models)})")
+            check_tensor_parallel(degree, self.devices_per_node, model=name)
         if self.default_max_tokens > self.max_tokens_cap:
             raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_cap "
                              f"({self.max_tokens_cap})")
@@ -177,13 +188,25 @@ class AppArgs(BaseModel):
             return int(self.budget_gb * GiB)
         return DEFAULT_BUDGET_BYTES
 
+    @property
+    def slab_bytes(self) -> int:
+        return 4 * MiB if self.device_budget_bytes >= 1 * GiB else 1 * MiB
+
+    @property
+    def kv_bytes(self) -> int:
+        slab = self.slab_bytes
+        return max(slab, int(self.device_budget_bytes * self.kv_fraction) // slab * slab)
+
+    @property
+    def weight_slot_bytes(self) -> int:
+        """One weight slot of a device: what is left of the budget after the KV pool, per slot."""
+        return (self.device_budget_bytes - self.kv_bytes) // self.num_slots
+
     def engine_config(self) -> "EngineConfig":
         """The EngineConfig of every worker (its device is the node's: cluster/topology.py)."""
         from actors.engine import EngineConfig   # torch comes with it: only where workers start
 
-        budget = self.device_budget_bytes
-        slab = 4 * MiB if budget >= 1 * GiB else 1 * MiB
-        kv = max(slab, int(budget * self.kv_fraction) // slab * slab)
+        budget, slab, kv = self.device_budget_bytes, self.slab_bytes, self.kv_bytes
         # detokenize=False: the ingress makes the text (deploy/serve_app/cluster_engine.py)
         return EngineConfig(budget_bytes=budget, kv_bytes=kv, num_slots=self.num_slots, slab_bytes=slab,
                             host_kv_bytes=int(self.host_kv_gb * GiB), policy=self.policy, dtype=self.dtype,
@@ -231,3 +254,15 @@ def check_local_sources(models: dict[str, str]) -> None:
         if not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
             raise CheckpointError(f"model {name!r}: not a model checkpoint: {source} "
                                   f"(no tokenizer: none of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_model_fits(args: AppArgs, models: dict[str, str]) -> None:
+    """ValueError naming `tensor_parallel` when a model's share of its weights exceeds one
+    device's weight slot (`models`: name -> checkpoint dir; zoo sources not built yet are skipped)."""
+    from actors.model_spec import ModelSpec   # reads headers only, no torch
+
+    for name, source in models.items():
+        if source.startswith(ZOO_PREFIX):
+            continue
+        check_fits_device(name, ModelSpec.from_dir(source).weight_bytes, args.tensor_parallel.get(name, 1),
+                          args.weight_slot_bytes)
