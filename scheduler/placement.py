@@ -202,8 +202,9 @@ class PlacementPlan:
                       if worker_id in ws or worker_id in self.groups.get(m, ()))
 
     def weight_bytes(self, model: str) -> int | None:
+        """What a switch to `model` copies onto one device (a TP model's share)."""
         info = self.models.get(model)
-        return info.weight_bytes if info else None
+        return info.device_weight_bytes if info else None
 
     def slo_for(self, model: str) -> SLO | None:
         return self.slos.get(model)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.planner.marketplace import MODEL_TYPES, Marketplace
 from cluster.planner.plan_cli import build_spec
 from cluster.planner.planner import Point, search
 from deploy.cli.main import build_parser, main
@@ -24,7 +25,7 @@ def _curve(values: dict[int, float], calls: list[int]):
 
 class _Spec:   # search only reads these
     target = 0.9
-    market = type("M", (), {"types": {f"m{i}": None for i in range(3)}})()
+    market = Marketplace({f"m{i}": MODEL_TYPES["qwen2.5-7b"] for i in range(3)}, {})   # no fits: never simulated
 
 
 @pytest.mark.parametrize("curve, expected", [

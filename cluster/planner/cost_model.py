@@ -81,6 +81,15 @@ class StepCostFit:
         return StepCostFit((pa * weights, pb * weights, pc * kv), (da * weights, db * weights, dc * kv),
                            self.num_points, f"{self.source} (scaled: weights x{weights:.3f}, KV x{kv:.3f})")
 
+    def with_all_reduce(self, per_step_s: float, per_token_s: float) -> "StepCostFit":
+        """This fit plus a tensor-parallel group's all-reduces: `per_step_s` on every step and
+        `per_token_s` for each token it computes (a prefill's new tokens, a decode's batch)."""
+        (pa, pb, pc), (da, db, dc) = self.prefill_coef, self.decode_coef
+        return StepCostFit((pa + per_step_s, pb + per_token_s / _PREFILL_SCALE[1], pc),
+                           (da + per_step_s, db + per_token_s / _DECODE_SCALE[1], dc), self.num_points,
+                           f"{self.source} (+ all-reduce {per_step_s * 1e3:.2f} ms/step, "
+                           f"{per_token_s * 1e6:.2f} us/token)")
+
 
 def read_profile(profile_dir: str | Path) -> list[ProfilePoint]:
     """Every iNbB.json of a directory, as points; ValueError names the file that is wrong."""

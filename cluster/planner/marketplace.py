@@ -12,6 +12,14 @@ A sparse MoE type has no profile of its own here: it is derived from a measured 
 (`derived_from`), its step costs scaled by its ACTIVE parameters (what one token reads)
 and its KV, while a switch still copies ALL its weights (`weight_bytes`, every expert).
 
+A tensor-parallel type (`tensor_parallel` N > 1: a model larger than one device) is
+served by N devices of one node; each holds 1/N of its weights and KV, which is what a
+slot must hold and a switch copies (on every member at once, each over its own link). It
+has no measured profile either: its step is scaled from a measured dense type by the
+weight bytes one DEVICE reads (weight_bytes / N) and its KV per device, plus the cost of
+its all-reduces (cost_model.py `with_all_reduce`; `all_reduce_cost` below says how it is
+priced). Every scaled type is labelled `scaled` wherever a plan shows its types.
+
 `Marketplace.build(names, mix, device, profiles)` gives each served model a type:
 interleaved by popularity rank so that every part of the popularity curve gets the mix
 (rank i takes the type whose share so far lags its target most).
@@ -25,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.planner.cost_model import StepCostFit, fit_profile
+from cluster.planner.devices import DeviceSpec, device_spec
 from scheduler.kv_blocks import KVShape
+from scheduler.tp_groups import check_tensor_parallel, device_share
 
 DEFAULT_MIX = "qwen2.5-7b:0.6,yi-9b:0.2,llama2-13b:0.2"   # Aegaeon's simulator mix
 DATA_DIR = Path(os.environ.get("TOKENMUX_DATA_DIR") or Path(__file__).resolve().parents[3] / "shared" / "data")
@@ -44,31 +54,63 @@ class ModelType:
     # dense type its step costs are scaled from. None: dense, its own profile.
     active_bytes: int | None = None
     derived_from: str | None = None
+    tensor_parallel: int = 1       # devices of one node that serve it together
+    hidden_size: int = 0           # a TP type's all-reduces move hidden_size activations per token
 
     def __post_init__(self) -> None:
         if self.weight_bytes <= 0 or self.max_context < 1:
             raise ValueError(f"model type {self.name!r}: weight_bytes and max_context must be > 0")
-        if (self.active_bytes is None) != (self.derived_from is None):
+        if self.active_bytes is not None and self.derived_from is None:
             raise ValueError(f"model type {self.name!r}: a MoE type needs both active_bytes and derived_from")
         if self.active_bytes is not None and not 0 < self.active_bytes <= self.weight_bytes:
             raise ValueError(f"model type {self.name!r}: active_bytes must be in (0, weight_bytes]")
+        check_tensor_parallel(self.tensor_parallel, model=self.name)
+        if self.tensor_parallel > 1 and (self.derived_from is None or self.hidden_size < 1):
+            raise ValueError(f"model type {self.name!r}: a tensor-parallel type is scaled from a measured "
+                             f"one (derived_from) and needs its hidden_size")
+
+    @property
+    def measured(self) -> bool:
+        """Its own profile (True), or step costs scaled from another type's (False: `scaled`)."""
+        return self.derived_from is None
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """What one device of its group holds and swaps in: all of it at tensor_parallel 1."""
+        return device_share(self.weight_bytes, self.tensor_parallel)
+
+    @property
+    def device_kv_shape(self) -> KVShape:
+        """One device's share of its KV: the KV heads split across the group."""
+        s = self.kv_shape
+        return KVShape(s.num_layers, max(1, s.num_kv_heads // self.tensor_parallel), s.head_dim, s.dtype_bytes)
 
     @property
     def step_bytes(self) -> int:
-        """Weight bytes one step reads: all of a dense model's, a MoE's active ones."""
-        return self.weight_bytes if self.active_bytes is None else self.active_bytes
+        """Weight bytes one device reads a step: all of a dense model's (its share of them at
+        tensor parallel), a MoE's active ones."""
+        return device_share(self.weight_bytes if self.active_bytes is None else self.active_bytes,
+                            self.tensor_parallel)
 
-    def fit(self, profiles_root: str | Path, device: str) -> StepCostFit:
-        """Step costs on `device`: measured, or for a MoE scaled from its dense base type's."""
+    def fit(self, profiles_root: str | Path, device: str | DeviceSpec) -> StepCostFit:
+        """Step costs on `device` (a name, or a DeviceSpec whose link prices a TP type's
+        all-reduces): measured, or scaled from its base type's."""
+        name = device if isinstance(device, str) else device.name
         if self.derived_from is None:
-            return fit_profile(self.profile_dir(profiles_root, device))
+            return fit_profile(self.profile_dir(profiles_root, name))
         base = MODEL_TYPES[self.derived_from]
-        return base.fit(profiles_root, device).scaled(self.step_bytes / base.step_bytes,
-                                                      self.kv_bytes_per_token / base.kv_bytes_per_token)
+        fit = base.fit(profiles_root, name).scaled(self.step_bytes / base.step_bytes,
+                                                   self.kv_bytes_per_token / base.kv_bytes_per_token)
+        if self.tensor_parallel == 1:
+            return fit
+        if isinstance(device, str):
+            device = device_spec(device)
+        return fit.with_all_reduce(*all_reduce_cost(self, device))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_shape.block_bytes // 16
+        """KV one token holds on one device (its share at tensor parallel)."""
+        return self.device_kv_shape.block_bytes // 16
 
     def profile_dir(self, profiles_root: str | Path, device: str) -> Path:
         own = Path(self.profile)
@@ -97,8 +139,27 @@ class ModelType:
                "kv_shape": [s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes], "profile": self.profile}
         if self.derived_from is not None:
             out.update(active_bytes=self.active_bytes, derived_from=self.derived_from)
+        if self.tensor_parallel > 1:
+            out.update(tensor_parallel=self.tensor_parallel, device_weight_bytes=self.device_weight_bytes)
+        out["costs"] = "measured" if self.measured else f"scaled from {self.derived_from}"
         return out
 
+
+# What one all-reduce costs besides its bytes: NCCL's small-message latency within a node.
+# NVIDIA's nccl-tests put an all-reduce of a few KiB between 2-8 NVLink/NVSwitch GPUs at
+# roughly 5-15 us; 10 us is taken, an ESTIMATE (no TP run was measured here). A decode step's
+# all-reduces are small (batch x hidden x 2 bytes), so this latency is most of their cost.
+ALL_REDUCE_LATENCY_S = 10e-6
+
+
+def all_reduce_cost(t: ModelType, device: DeviceSpec) -> tuple[float, float]:
+    """(seconds per step, seconds per token) of a TP type's all-reduces on `device`: two per
+    layer (after attention, after the MLP), each a fixed latency plus, per token, its
+    hidden_size activations x dtype bytes; a ring all-reduce sends and receives 2 (N - 1) / N
+    of them per device, over the node's device link (d2d)."""
+    n, layers = t.tensor_parallel, t.kv_shape.num_layers
+    per_token_bytes = 2 * layers * t.hidden_size * t.kv_shape.dtype_bytes * 2 * (n - 1) / n
+    return 2 * layers * ALL_REDUCE_LATENCY_S, per_token_bytes / device.d2d_bytes_per_s
 
 # Parameters x 2 bytes (bf16); KV: layers, KV heads, head dim (qwen2.5-7b and yi-9b use
 # grouped-query attention with 4 KV heads, llama2-13b has one KV head per query head).
@@ -117,6 +178,13 @@ MODEL_TYPES: dict[str, ModelType] = {
                                active_bytes=3_300_000_000 * 2, derived_from="qwen2.5-7b"),
     "mixtral-8x7b": ModelType("mixtral-8x7b", "llama2_13b", 46_702_792_704 * 2, KVShape(32, 8, 128, 2), 32768,
                               active_bytes=12_900_000_000 * 2, derived_from="llama2-13b"),
+    # Larger than one device, SCALED (no measured profile): Qwen2.5-72B, 72.7B parameters
+    # (145 GB in bf16, more than an H100, H800 or H20 holds), 80 layers, 8 KV heads, hidden
+    # 8192, at tensor parallel 2. Scaled from qwen2.5-7b (same family, measured on H100, H800,
+    # H20) by weights per device (72.7 / 2 / 7.6 = x4.8) and KV per device (x2.9), plus its
+    # all-reduces (all_reduce_cost).
+    "qwen2.5-72b": ModelType("qwen2.5-72b", "qwen2_5_7b", 72_706_203_648 * 2, KVShape(80, 8, 128, 2), 32768,
+                             derived_from="qwen2.5-7b", tensor_parallel=2, hidden_size=8192),
 }
 
 
@@ -169,8 +237,9 @@ class Marketplace:
     fits: Mapping[str, StepCostFit] = field(repr=False)   # model -> its type's fit (shared objects)
 
     @classmethod
-    def build(cls, models: Sequence[str], mix: Sequence[tuple[ModelType, float]], device: str,
+    def build(cls, models: Sequence[str], mix: Sequence[tuple[ModelType, float]], device: str | DeviceSpec,
               profiles_root: str | Path = PROFILES_DIR) -> "Marketplace":
+        """`device`: a table name, or the DeviceSpec planned for (its link prices all-reduces)."""
         types = assign_types(models, mix)
         by_type = {t.name: t.fit(profiles_root, device) for t, _ in mix}
         return cls(types, {m: by_type[t.name] for m, t in types.items()})
@@ -180,7 +249,20 @@ class Marketplace:
         return list(self.types)
 
     def largest_weight_bytes(self) -> int:
-        return max(t.weight_bytes for t in self.types.values())
+        """The most weight bytes one device holds of a model: what a slot is sized to."""
+        return max(t.device_weight_bytes for t in self.types.values())
+
+    def max_tensor_parallel(self) -> int:
+        """The fewest devices any policy can serve every model on."""
+        return max(t.tensor_parallel for t in self.types.values())
+
+    def dedicated_devices(self) -> int:
+        """Devices when each model has its own: one, or its group's N."""
+        return sum(t.tensor_parallel for t in self.types.values())
+
+    def scaled_types(self) -> list[str]:
+        """Types whose step costs are scaled from another's profile, not measured."""
+        return sorted({t.name for t in self.types.values() if not t.measured})
 
     def type_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

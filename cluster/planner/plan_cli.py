@@ -106,11 +106,11 @@ def build_spec(args):
     device = device_spec(args.gpu, memory_bytes=_gib(args.memory_gb), h2d_bytes_per_s=_gb(args.h2d_gbps),
                          d2d_bytes_per_s=_gb(args.d2d_gbps), net_bytes_per_s=_gb(args.net_gbps),
                          devices_per_node=args.gpus_per_node)
-    market = Marketplace.build(names, parse_mix(args.model_mix), device.name, args.profiles or PROFILES_DIR)
+    market = Marketplace.build(names, parse_mix(args.model_mix), device, args.profiles or PROFILES_DIR)
     layout = DeviceLayout.carve(device, market.largest_weight_bytes(), args.slots,
                                 kv_bytes=_gib(args.kv_gb), reserve_frac=args.reserve_frac,
                                 host_kv_bytes=int(args.host_kv_gb * GiB), slab_bytes=int(args.slab_mb * MiB))
-    too_big = sorted({t.name for t in market.types.values() if t.kv_shape.block_bytes > layout.slab_bytes})
+    too_big = sorted({t.name for t in market.types.values() if t.device_kv_shape.block_bytes > layout.slab_bytes})
     if too_big:
         raise ValueError(f"a KV block of {too_big} does not fit a {args.slab_mb} MiB slab; raise --slab-mb")
     slo = SLO(args.slo_ttft, args.slo_tpot)
@@ -134,7 +134,8 @@ def build_spec(args):
     about = {"source": source, "num_requests": len(workload), "duration_s": workload.duration_s,
              "num_models": len(names), "models_with_requests": len(counts),
              "mean_input_tokens": mean_in, "mean_output_tokens": mean_out,
-             "type_counts": market.type_counts(), "model_mix": args.model_mix}
+             "type_counts": market.type_counts(), "model_mix": args.model_mix,
+             "model_types": {t.name: t.to_dict() for t in {t.name: t for t in market.types.values()}.values()}}
     return spec, about
 
 
@@ -155,6 +156,11 @@ def run(args) -> int:
         if progress:
             progress.close()
     print(table(plans, args.metric, args.target))
+    for name in spec.market.scaled_types():
+        t = about["model_types"][name]
+        tp = f", tensor_parallel {t['tensor_parallel']} (its GPUs count every device of its group)" \
+            if t.get("tensor_parallel", 1) > 1 else ""
+        print(f"{name}: step costs scaled from {t['derived_from']}, not measured{tp}")
     out = {"policies": {p: plan.to_dict() for p, plan in plans.items()},
            "savings_vs_dedicated": savings(plans), "metric": args.metric, "target": args.target,
            "slo": {"ttft_s": spec.slo.ttft_s, "tbt_s": spec.slo.tbt_s}, "workload": about,

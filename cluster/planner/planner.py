@@ -14,6 +14,11 @@ target, the search moves down and verifies again) and the one above (if it fails
 search moves up to the next count that meets the target twice running). `scan` evaluates
 every count from the lower bound, for a full curve. Dedicated starts at one device per
 model: it gives every model a device, so it never answers fewer devices than models.
+
+Tensor-parallel models (cluster/planner/marketplace.py) count every device of their group:
+a GPU count is simulated workers, a TP-N model's group takes N of them (placement's
+`groups`), and its steps hold every member (the simulator's `_as_group`). So no count below
+the largest N is searched, and dedicated's starts at the sum of each model's devices.
 """
 from __future__ import annotations
 
@@ -108,7 +113,7 @@ def quota_for_device(market: Marketplace, layout: DeviceLayout) -> float:
     the same multiple of the mix's mean swap-in time on this device (a quota only has to
     amortise the switch; longer ones just lengthen every other model's wait)."""
     types = list(market.types.values())
-    mean_switch = sum(t.weight_bytes for t in types) / len(types) / layout.device.h2d_bytes_per_s
+    mean_switch = sum(t.device_weight_bytes for t in types) / len(types) / layout.device.h2d_bytes_per_s
     return round(AEGAEON_QUOTA_S * mean_switch / AEGAEON_SWITCH_S, 3)
 
 
@@ -138,7 +143,9 @@ def search(spec: PlanSpec, policy: str, max_gpus: int, mode: str = "bisect",
     in full. `evaluate_fn(spec, policy, n, stop_early)` measures one count (the simulator)."""
     if mode not in ("bisect", "scan"):
         raise ValueError(f"search must be bisect or scan, got {mode!r}")
-    low = len(spec.market.types) if policy == "dedicated" else 1
+    # Every TP group counts all its devices: dedicated gives each model its own (N for a group),
+    # and no policy serves a TP-N model on fewer than N.
+    low = spec.market.dedicated_devices() if policy == "dedicated" else spec.market.max_tensor_parallel()
     if max_gpus < 1:
         raise ValueError(f"max_gpus must be >= 1, got {max_gpus}")
     points: dict[int, Point] = {}

@@ -14,6 +14,13 @@ part is priced instead of run:
 then `update(...)` with one token per request at the step's end. `prefetch_model` starts a
 background copy into the least recently used slot that is neither running nor being
 filled, as actors/weight_slots.py does.
+
+A tensor-parallel model is scheduled by its group's leader alone (the requests go there);
+the simulator has each other member `join_group_step`: the member puts its share of the
+weights in a slot of its own and is busy until the group's step ends, so the group's turn
+counts on every device it occupies (and shows in each member's turns). A worker's KV pool
+and slots hold one device's share of a TP model (cluster/planner/marketplace.py); the
+members' KV shares are not debited from their pools (the leader's pool stands for them).
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ class SimWorker:
         self._running_model: str | None = None
         self.step: _Step | None = None   # the step in flight
         self.step_time_ema = 0.0
+        self.busy_until = 0.0            # a group step of a TP model holds this device until then
         self.turns: list[Turn] = []
         self.num_swaps = 0
 
@@ -67,7 +75,7 @@ class SimWorker:
 
     def register(self, model: str) -> None:
         t = self.market.types[model]
-        self.policy.add_model(model, t.kv_shape, t.weight_bytes)
+        self.policy.add_model(model, t.device_kv_shape, t.device_weight_bytes)
 
     def unregister(self, model: str) -> None:
         self.policy.remove_model(model)
@@ -86,12 +94,13 @@ class SimWorker:
         output = self.policy.schedule(now)
         if output is None:
             return None
-        wait = self._ensure_resident(output.model, now)
+        held = max(0.0, self.busy_until - now)   # the device runs a TP group's step until then
+        wait = max(self._ensure_resident(output.model, now), held)
         if output.prefetch_model and output.prefetch_model != output.model \
                 and output.prefetch_model in self.policy.models:
             self._prefetch(output.prefetch_model, now)
         run = self._kv_swap_s(output) + self._compute_s(output)
-        self.step = _Step(output, now, wait, run, self._copy_s.pop(output.model, None))
+        self.step = _Step(output, now + held, wait - held, run, self._copy_s.pop(output.model, None))
         return now + wait + run
 
     def finish_step(self, now: float) -> tuple[SchedulerOutput, list[Request]]:
@@ -110,6 +119,22 @@ class SimWorker:
         else:
             self.turns.append(Turn(self.worker_id, model, step.start, now))
         return step.output, finished
+
+    def free_at(self, now: float) -> float:
+        """When this device could start a group's step: after its step in flight and any group step."""
+        end = self.step.start + self.step.wait_s + self.step.run_s if self.step is not None else now
+        return max(now, end, self.busy_until)
+
+    def load_share(self, model: str, start: float) -> float:
+        """As a member of `model`'s group: its share of the weights into a slot by `start`; the wait."""
+        running, wait = self._running_model, self._ensure_resident(model, start)
+        self._running_model = running
+        return wait
+
+    def join_group_step(self, model: str, start: float, end: float) -> None:
+        """As a member of `model`'s group: the device runs the group's step from `start` to `end`."""
+        self.busy_until = max(self.busy_until, end)
+        self.turns.append(Turn(self.worker_id, model, start, end))
 
     # -- what the router sees ----------------------------------------------------------------
 
@@ -136,7 +161,7 @@ class SimWorker:
     # -- the device ---------------------------------------------------------------------------
 
     def _switch_s(self, model: str) -> float:
-        return self.market.types[model].weight_bytes / self.layout.device.h2d_bytes_per_s
+        return self.market.types[model].device_weight_bytes / self.layout.device.h2d_bytes_per_s
 
     def _ensure_resident(self, model: str, now: float) -> float:
         if model not in self.slots:
@@ -174,7 +199,7 @@ class SimWorker:
         for copy in (*output.swap_out, *output.swap_in):
             request = self.policy.requests.get(copy.request_id)
             if request is not None:
-                nbytes += len(copy.src) * self.market.types[request.model].kv_shape.block_bytes
+                nbytes += len(copy.src) * self.market.types[request.model].device_kv_shape.block_bytes
         return nbytes / self.layout.device.h2d_bytes_per_s
 
     def _compute_s(self, output: SchedulerOutput) -> float:

@@ -96,9 +96,10 @@ def model_infos(market: Marketplace, workload: Workload) -> dict[str, ModelInfo]
         fit = market.fits[m]
         d1 = fit.decode_s(1, int(mean_ctx))
         d8 = fit.decode_s(8, int(8 * mean_ctx))
-        infos[m] = ModelInfo(t.weight_bytes, t.kv_bytes_per_token, decode_step_s=d1,
+        infos[m] = ModelInfo(t.weight_bytes, t.kv_bytes_per_token * t.tensor_parallel, decode_step_s=d1,
                              decode_step_per_request_s=max(0.0, (d8 - d1) / 7),
-                             prefill_s=fit.prefill_prompts_s([max(1, round(mean_in))]))
+                             prefill_s=fit.prefill_prompts_s([max(1, round(mean_in))]),
+                             tensor_parallel=t.tensor_parallel)
     return infos
 
 
@@ -185,6 +186,7 @@ class _Simulation:
             return
         end = worker.start_step(now)
         if end is not None:
+            end = self._as_group(worker, now, end)
             self.idle_retries[worker.worker_id] = 0
             self._push(end, _STEP, worker.worker_id)
         elif worker.policy.has_unfinished() and self.idle_retries[worker.worker_id] < MAX_IDLE_RETRIES:
@@ -193,6 +195,21 @@ class _Simulation:
             self._push(now + RETRY_S, _RETRY, worker.worker_id)
         elif not retry:
             self.idle_retries[worker.worker_id] = 0
+
+    def _as_group(self, leader: SimWorker, now: float, end: float) -> float:
+        """The end of the step `leader` just started, run by its model's whole TP group: it
+        starts once every member is free and has its share resident, and holds each member
+        until it ends (the group's turn counts on every device it occupies)."""
+        model = leader.step.output.model
+        members = [self.by_id[w] for w in self.plan.group_of(model)[1:]] if self.plan is not None else []
+        if not members:
+            return end
+        start = max([now] + [m.free_at(now) for m in members])
+        swap = max(m.load_share(model, start) for m in members)
+        end = max(end, start + swap + leader.step.run_s)
+        for m in members:
+            m.join_group_step(model, start, end)
+        return end
 
     # -- events ---------------------------------------------------------------------------
 
@@ -250,14 +267,14 @@ class _Simulation:
             return
         src.policy.detach_request(request.request_id)   # its blocks stay held until the copy is done
         dst = self.by_id[dst_id]
-        nbytes = len(request.block_ids) * self.market.types[request.model].kv_shape.block_bytes
+        nbytes = len(request.block_ids) * self.market.types[request.model].device_kv_shape.block_bytes
         device = self.fleet.layout.device
         bandwidth = device.d2d_bytes_per_s if dst.node_id == src.node_id else device.net_bytes_per_s
         self.num_handoffs += 1
         self._push(now + self.fleet.handoff_latency_s + nbytes / bandwidth, _HANDOFF, (src, dst, request))
 
     def _handoff_done(self, now: float, src: SimWorker, dst: SimWorker, request: Request) -> None:
-        shape = self.market.types[request.model].kv_shape
+        shape = self.market.types[request.model].device_kv_shape
         if request.model not in dst.policy.models:   # placement moved it meanwhile: decode at the source
             src.policy.reattach_request(request)
             self._wake(now, src)
@@ -281,9 +298,9 @@ class _Simulation:
     # -- the control plane ------------------------------------------------------------------
 
     def _views(self, now: float, model: str):
-        """Views of the workers the plan lets hold `model` (routing only looks at those);
-        all of them when there are none, so a NoWorkerError lists what can be served."""
-        ids = self.plan.workers_for(model) if self.plan is not None else ()
+        """Views of the workers the plan lets hold `model` and of its TP group (routing only
+        looks at those); all of them when there are none, so a NoWorkerError lists what can be served."""
+        ids = self.plan.workers_for(model) + self.plan.group_of(model) if self.plan is not None else ()
         workers = [self.by_id[w] for w in ids if w in self.by_id] or self.workers
         return [w.view(now) for w in workers]
 
