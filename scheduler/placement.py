@@ -57,7 +57,7 @@ from typing import Any
 from scheduler.packing import ModelCost, PackItem, PackLimits, WorkerBin, pack, replica, replicas_needed
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.slo import SLO
-from scheduler.tp_groups import check_tensor_parallel, choose_group, device_share
+from scheduler.tp_groups import check_tensor_parallel, device_share, place_groups
 
 logger = logging.getLogger(__name__)
 
@@ -272,15 +272,24 @@ def routable_now(plan: PlacementPlan, views: Iterable[Any], previous: PlacementP
     each model on the plan's workers that have it registered already, else (all of them are
     still registering it) on the workers `previous` gave it. Applied first, it lets a burst
     reach the replicas that hold its model at once; registering on the others (a load into a
-    host cache, seconds on a busy host) used to hold the whole plan back, and the burst with it."""
+    host cache, seconds on a busy host) used to hold the whole plan back, and the burst with it.
+    A TP model's group is ready only when every member has it (the leader cannot step alone);
+    until then its previous group, if it had one, keeps it."""
     registered = {v.worker_id: set(v.registered) for v in views if getattr(v, "alive", True)}
-    assignments = {}
+    assignments, groups = {}, {}
     for m, ws in plan.assignments.items():
+        group = plan.group_of(m)
+        if group:
+            if all(m in registered.get(w, ()) for w in group):
+                assignments[m], groups[m] = ws, group
+            elif previous is not None and previous.group_of(m):
+                assignments[m], groups[m] = previous.workers_for(m), previous.group_of(m)
+            continue
         ready = tuple(w for w in ws if m in registered.get(w, ()))
         ready = ready or (previous.workers_for(m) if previous is not None else ())
         if ready:
             assignments[m] = ready
-    return replace(plan, assignments=assignments)
+    return replace(plan, assignments=assignments, groups=groups)
 
 
 class PlacementPolicy:
@@ -321,7 +330,7 @@ class PlacementPolicy:
                 unplaceable[m] = (f"weights of {info.weight_bytes} bytes exceed the largest slot ({largest} bytes); "
                                   f"a model larger than one device needs tensor_parallel > 1")
         by_demand = sorted((m for m in infos if m not in unplaceable), key=lambda m: (-demand.get(m, 0.0), m))
-        groups = self._place_groups(live, infos, by_demand, cached_on_node, unplaceable)
+        groups = place_groups(live, {m: infos[m] for m in by_demand}, cached_on_node, self._groups, unplaceable)
         placeable = [m for m in by_demand if m not in unplaceable]
 
         # Roles have their own cooldown: they follow the demand observed now.
@@ -389,26 +398,6 @@ class PlacementPolicy:
             demand={m: demand.get(m, 0.0) for m in infos}, unplaceable=unplaceable,
             version=self._version, groups=groups,
         )
-
-    def _place_groups(self, live: list, infos: Mapping[str, ModelInfo], by_demand: list[str],
-                      cached_on_node: Mapping[str, set[str]], unplaceable: dict[str, str]) -> dict[str, tuple[str, ...]]:
-        """A group for each TP model in `by_demand` (busiest first), spread over the nodes;
-        one that no node can hold goes to `unplaceable`, with the reason."""
-        groups: dict[str, tuple[str, ...]] = {}
-        members: collections.Counter = collections.Counter()
-        for m in by_demand:
-            info = infos[m]
-            if info.tensor_parallel == 1:
-                continue
-            group = choose_group(info.tensor_parallel, info.device_weight_bytes, live, self._groups.get(m, ()),
-                                 (node for node, ms in cached_on_node.items() if m in ms), members)
-            if not group:
-                unplaceable[m] = (f"tensor_parallel {info.tensor_parallel} needs {info.tensor_parallel} workers "
-                                  f"on one node with slots of >= {info.device_weight_bytes} bytes; no node has them")
-                continue
-            groups[m] = group
-            members.update(group)
-        return groups
 
     def _held_demand(self, infos: Mapping[str, ModelInfo], loads: Mapping[str, ModelLoad],
                      now: float) -> tuple[dict[str, float], dict[str, float]]:

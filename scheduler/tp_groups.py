@@ -14,6 +14,7 @@ families served) that divides the node's device count (so groups tile a node).
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -82,3 +83,24 @@ def choose_group(size: int, share_bytes: int, workers: Sequence[Any], previous: 
         chosen = sorted(ids, key=lambda w: (members.get(w, 0), w))[:size]
         options.append((node not in cached, sum(members.get(w, 0) for w in chosen), node, tuple(chosen)))
     return min(options)[3] if options else ()
+
+
+def place_groups(workers: Sequence[Any], models: Mapping[str, Any], cached_on_node: Mapping[str, set[str]],
+                 previous: Mapping[str, tuple[str, ...]], unplaceable: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """A group for each model of `models` (ModelInfo-like: tensor_parallel, device_weight_bytes;
+    busiest first) whose degree is above 1, on the live `workers`, spread over the nodes;
+    `previous`: last plan's groups (sticky). A model no node can hold goes to `unplaceable`."""
+    groups: dict[str, tuple[str, ...]] = {}
+    members: collections.Counter = collections.Counter()
+    for m, info in models.items():
+        if info.tensor_parallel == 1:
+            continue
+        group = choose_group(info.tensor_parallel, info.device_weight_bytes, workers, previous.get(m, ()),
+                             (node for node, cached in cached_on_node.items() if m in cached), members)
+        if not group:
+            unplaceable[m] = (f"tensor_parallel {info.tensor_parallel} needs {info.tensor_parallel} workers "
+                              f"on one node with slots of >= {info.device_weight_bytes} bytes; no node has them")
+            continue
+        groups[m] = group
+        members.update(group)
+    return groups

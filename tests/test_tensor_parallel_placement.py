@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.placement import ModelInfo, PlacementPlan, PlacementPolicy
+from scheduler.placement import ModelInfo, PlacementPlan, PlacementPolicy, routable_now
 from scheduler.routing import NoWorkerError, RoutingPolicy, WorkerView
 from scheduler.tp_groups import check_fits_device, check_tensor_parallel, min_tensor_parallel
 
@@ -163,3 +163,16 @@ def test_the_placement_services_entries_carry_the_configured_degree():
     assert info.tensor_parallel == 2 and info.device_weight_bytes == 3 * GB
     with pytest.raises(ValueError, match="tensor_parallel"):
         model_entry("big", {"path": "/ckpt/big", "weight_bytes": 6 * GB, "tensor_parallel": 3})
+
+
+def test_a_group_is_routable_only_once_every_member_has_registered_the_model():
+    ws = workers(2)
+    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(6 * GB, tensor_parallel=2)})
+    leader, member = plan.group_of("big")
+    views = [WorkerView(worker_id=w.worker_id, node_id="n0", slot_bytes=w.slot_bytes,
+                        registered=frozenset({"big"}) if w.worker_id == leader else frozenset()) for w in ws]
+    assert not routable_now(plan, views, None).workers_for("big")   # the leader alone cannot step
+    views = [WorkerView(worker_id=w.worker_id, node_id="n0", slot_bytes=w.slot_bytes, registered=frozenset({"big"}))
+             for w in ws]
+    ready = routable_now(plan, views, None)
+    assert ready.workers_for("big") == (leader,) and ready.group_of("big") == (leader, member)
