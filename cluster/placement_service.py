@@ -62,6 +62,24 @@ def model_entry(name: str, source: Any, tensor_parallel: int = 1) -> tuple[str, 
                                 tensor_parallel=check_tensor_parallel(tensor_parallel, model=name))
 
 
+def without_failed(plan: PlacementPlan, failed: dict[tuple[str, str], str]) -> PlacementPlan:
+    """`plan` less the (worker, model) registrations that failed (-> why): the model stays on
+    its other workers, or is unplaceable with the reasons. A TP group runs every step
+    together, so one member that failed takes the whole group out."""
+    if not failed:
+        return plan
+    assignments, unplaceable = {}, dict(plan.unplaceable)
+    for m, ws in plan.assignments.items():
+        group_failed = any((w, m) in failed for w in plan.group_of(m))
+        kept = () if group_failed else tuple(w for w in ws if (w, m) not in failed)
+        if kept:
+            assignments[m] = kept
+        else:
+            unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
+    groups = {m: g for m, g in plan.groups.items() if m in assignments}
+    return replace(plan, assignments=assignments, unplaceable=unplaceable, groups=groups)
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)   # restarted in place; the supervisor calls start() again
 class PlacementService:
     def __init__(self, models: dict[str, Any] | None = None, slos: dict[str, SLO] | None = None,
@@ -172,19 +190,7 @@ class PlacementService:
             if isinstance(result, BaseException):
                 logger.warning("placement: register_model(%s) on %s failed: %s", m, w, result)
                 failed[(w, m)] = str(result).splitlines()[0] if str(result) else type(result).__name__
-        if not failed:
-            return plan
-        assignments, unplaceable = {}, dict(plan.unplaceable)
-        for m, ws in plan.assignments.items():
-            # a group runs every step together: one member that failed takes the whole group out
-            group_failed = any((w, m) in failed for w in plan.group_of(m))
-            kept = () if group_failed else tuple(w for w in ws if (w, m) not in failed)
-            if kept:
-                assignments[m] = kept
-            else:
-                unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
-        groups = {m: g for m, g in plan.groups.items() if m in assignments}
-        return replace(plan, assignments=assignments, unplaceable=unplaceable, groups=groups)
+        return without_failed(plan, failed)
 
     async def _set_roles(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> None:
         todo = [(w, r) for w, r in plan_changes(plan, views).roles if w in handles]

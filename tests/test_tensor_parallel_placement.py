@@ -176,3 +176,15 @@ def test_a_group_is_routable_only_once_every_member_has_registered_the_model():
              for w in ws]
     ready = routable_now(plan, views, None)
     assert ready.workers_for("big") == (leader,) and ready.group_of("big") == (leader, member)
+
+
+def test_a_member_whose_registration_failed_takes_its_group_out_of_the_plan():
+    from cluster.placement_service import without_failed
+
+    plan = PlacementPolicy().plan(workers(3), {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": GB})
+    leader, member = plan.group_of("big")
+    applied = without_failed(plan, {(member, "big"): "out of host memory"})
+    assert not applied.workers_for("big") and not applied.group_of("big")
+    assert "out of host memory" in applied.unplaceable["big"]
+    assert applied.workers_for("a") == plan.workers_for("a")   # the others are untouched
+    assert without_failed(plan, {}) is plan
