@@ -207,6 +207,7 @@ class _Simulation:
         start = max([now] + [m.free_at(now) for m in members])
         swap = max(m.load_share(model, start) for m in members)
         end = max(end, start + swap + leader.step.run_s)
+        leader.busy_until = max(leader.busy_until, end)   # its step ends with the group's, not before
         for m in members:
             m.join_group_step(model, start, end)
         return end
