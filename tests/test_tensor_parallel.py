@@ -12,14 +12,9 @@ from actors.kernel_path import KernelPath
 from actors.layer_kernels import layer_names
 from actors.model_spec import ModelSpec
 from actors.tensor_parallel import TPShard
-from actors.weight_layout import TensorCut, WeightLayout
+from actors.weight_layout import TensorCut
 from actors.zoo.zoo import ensure_model
-
-
-def rank_params(layout: WeightLayout, cache: HostWeightCache, name: str) -> dict[str, torch.Tensor]:
-    cache.add(name, layout)
-    flat = cache.flat(name)
-    return {e.name: flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in layout.entries}
+from tests.tp_ranks import rank_params
 
 
 @pytest.fixture
