@@ -7,21 +7,41 @@ between CUDA devices, gloo between the virtual devices of a CPU host. Its `all_r
 group's leader decides each step and the members follow it (actors/tp_member.py).
 
 One group per process: `torch.distributed`'s default group is the group's.
+
+`TPStep` is what the leader sends each member (actors/tp_member.py) for each forward of a
+tensor-parallel model, in the order it runs them: the KV copies of that model's requests
+(swaps), then the forward's chunks (the same batch, positions and KV block ids: the members'
+pools have the leader's geometry, so a block id names the same block on every rank).
 """
 from __future__ import annotations
 
 import datetime
 import logging
 import socket
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from actors.model_runner import SeqChunk
 from actors.tensor_parallel import TPShard
+from scheduler.scheduler_output import KVCopy
 
 logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120.0   # every rank must join within this; a collective waits as long for the others
+
+
+@dataclass(frozen=True)
+class TPStep:
+    """One step of a tensor-parallel model on the leader, for its members to repeat: weights
+    resident, then the KV copies (device -> host, then host -> device), then the forward of
+    `chunks` when there are any."""
+
+    model: str
+    swap_out: tuple[KVCopy, ...] = ()
+    swap_in: tuple[KVCopy, ...] = ()
+    chunks: tuple[SeqChunk, ...] = ()
 
 
 def free_address(host: str = "127.0.0.1") -> str:
