@@ -357,10 +357,12 @@ class Engine:
         """A tensor-parallel member's share of its leader's step (see TPStep); the forward's
         logits are the leader's too, and only the leader samples."""
         m = self._model(step.model)
+        start = self.clock()
         self.slots.ensure_resident(step.model)
         self._swap(step.swap_out, step.swap_in, step.model)
         if step.chunks:
             m.runner.forward(self.slots.params(step.model), list(step.chunks), m.kv)
+            self.timeline.append(StepRecord(step.model, start, self.clock(), step.is_prefill))
 
     def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """One forward + sampling: (request id -> token, request id -> why it failed alone)."""
@@ -381,7 +383,7 @@ class Engine:
             chunks = [chunk(r) for r in requests]
             if m.members is None:
                 return m.runner.forward(params, chunks, m.kv)
-            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks)))   # before ours: the all-reduces pair up
+            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill))   # before ours
             logits = m.runner.forward(params, chunks, m.kv)
             m.members.wait(sent)
             return logits
@@ -573,7 +575,7 @@ class Engine:
             num_steps=self.num_steps, forward_seconds=self.forward_seconds, step_seconds=self.step_seconds,
             decode_step_s=self.decode_step_s, decode_step_s_by_model=dict(self.decode_step_s_by_model),
             alpha=self.policy.last_alpha, weights=self.slots.stats(), kernels=self.kernels,
-            kernel_warning=self.kernel_warning)
+            kernel_warning=self.kernel_warning, num_preemptions=self.policy.num_preemptions)
 
     def _model(self, name: str) -> LoadedModel:
         m = self.models.get(name)

@@ -42,6 +42,7 @@ class TPStep:
     swap_out: tuple[KVCopy, ...] = ()
     swap_in: tuple[KVCopy, ...] = ()
     chunks: tuple[SeqChunk, ...] = ()
+    is_prefill: bool = False   # for the member's timeline
 
 
 def free_address(host: str = "127.0.0.1") -> str:

@@ -6,9 +6,9 @@ the whole checkpoint, token for token:
 - the model runner alone, in two spawned processes, on a zoo model (4 heads, 4 KV heads) and
   on a random Qwen3 checkpoint whose 4 query heads share 2 KV heads (each rank: 2 query
   heads, 1 KV head);
-- served: a leader engine (rank 0, its policy deciding every step) and a TPMember actor
-  (rank 1) that follows each step through Ray actor calls, under a burst of 16 requests in
-  a KV pool small enough that requests are preempted and swapped to host and back.
+- served by two DeviceWorkers: the leader (rank 0, its policy deciding every step) and a
+  member (rank 1) that follows each step through Ray actor calls, under a burst of 16
+  requests in a KV pool small enough that requests are preempted and swapped to host and back.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from actors.kernel_path import KernelPath
 from actors.model_spec import ModelSpec
 from actors.tensor_parallel import TPShard
 from actors.tp_group import free_address
-from actors.tp_member import TPMember
 from actors.zoo.zoo import ensure_model
 from scheduler.messages import GenerateRequest
 from scheduler.sampling_params import SamplingParams
@@ -69,75 +68,83 @@ def test_tp2_greedy_equals_generate(checkpoint, tmp_path):
     assert group_greedy(path, tmp_path) == expected
 
 
-def _leader_actor(ray):
-    @ray.remote(num_cpus=0)
-    class Leader:
-        """Rank 0's process: an engine whose policy schedules the group's model (self-contained:
-        the test module is not importable in Ray's workers)."""
-
-        def __init__(self, config, address):
-            from actors.engine import Engine
-            from actors.tensor_parallel import TPShard
-            from actors.tp_group import TPGroup
-
-            self.group = TPGroup(TPShard(0, 2), address)
-            self.engine = Engine(config)
-
-        def register_model(self, name, path, members):
-            from actors.tp_member import TPMembers
-
-            return self.engine.register_model(name, path, group=self.group, members=TPMembers(members))
-
-        def generate(self, requests):
-            for r in requests:
-                self.engine.add_request(r)
-            tokens = {r.request_id: [] for r in requests}
-            errors = []
-            while self.engine.has_unfinished():
-                for frame in self.engine.step():
-                    tokens[frame.request_id] += frame.token_ids
-                    if frame.error:
-                        errors.append(frame.error)
-            return tokens, errors, self.engine.policy.num_preemptions
-
-        def close(self):
-            self.group.close()
-
-    return Leader
-
-
 BURST = 16
 BURST_MAX_NEW = 24
+SERVE_WAIT_S = 180.0
+
+
+def _config(path, extra_slot_paths=(), kv_blocks: int = 16) -> EngineConfig:
+    """A device's budget: one slot per model it holds, and a pool of `kv_blocks` of a rank's
+    KV blocks (4 to a slab)."""
+    rank_spec = TPShard(0, 2).spec(ModelSpec.from_dir(path))
+    slab = rank_spec.kv_shape.block_bytes * 4
+    kernels = KernelPath("reference", "cpu")
+    slot = max([kernels.weight_layout(path, torch.float32, TPShard(0, 2)).total_bytes] +
+               [kernels.weight_layout(p, torch.float32).total_bytes for p in extra_slot_paths]) + 4096
+    num_slots = 1 + len(extra_slot_paths)
+    kv_bytes = slab * (kv_blocks // 4)
+    return EngineConfig(budget_bytes=kv_bytes + num_slots * slot, kv_bytes=kv_bytes, num_slots=num_slots,
+                        slab_bytes=slab, host_kv_bytes=slab * 64, kernels="reference", detokenize=False)
+
+
+def _group(ray, config: EngineConfig, name: str, path) -> list:
+    """Two DeviceWorkers (virtual devices) that hold `name` split between them; [leader, member]."""
+    from actors.worker import DeviceWorker
+
+    workers = [ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"tp{r}", config, num_threads=1)
+               for r in range(2)]
+    ray.get([w.ready.remote() for w in workers])
+    address = free_address()
+    ray.get([w.join_tp_group.remote(TPShard(r, 2), address) for r, w in enumerate(workers)], timeout=120)
+    ray.get(workers[1].register_tp_model.remote(name, str(path)), timeout=120)
+    ray.get(workers[0].register_tp_model.remote(name, str(path), [workers[1]]), timeout=120)
+    return workers
+
+
+def _serve(ray, worker_requests: list[tuple]) -> dict[str, list[int]]:
+    """Every (worker, request) streamed at once; request id -> its tokens (an error frame fails)."""
+    import asyncio
+
+    async def collect(worker, request):
+        tokens = []
+        async for ref in worker.generate.remote(request):
+            frame = await ref
+            assert frame.error is None, frame.error
+            tokens += frame.token_ids
+        return request.request_id, tokens
+
+    async def main():
+        return dict(await asyncio.wait_for(asyncio.gather(*[collect(w, r) for w, r in worker_requests]),
+                                           SERVE_WAIT_S))
+    return asyncio.run(main())
+
+
+def _requests(model: str, seed: int, n: int) -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    return [GenerateRequest(f"{model}-{i}", model,
+                            tuple(rng.randrange(8, 2000) for _ in range(rng.choice([7, 15, 17, 31, 33, 40]))),
+                            SamplingParams(max_tokens=BURST_MAX_NEW, temperature=0.0)) for i in range(n)]
+
+
+def _expect(path, requests) -> dict[str, list[int]]:
+    return {r.request_id: hf_greedy(path, list(r.prompt_token_ids), BURST_MAX_NEW) for r in requests}
 
 
 @pytest.mark.timeout(240)
 def test_a_tp2_group_serves_a_burst_exactly(ray_session):
     """16 requests at once on llama-tiny-b (8 query heads over 2 KV heads) served by a group of
-    2: the pool holds 16 of a rank's KV blocks, fewer than the burst needs, so the leader's
-    policy preempts requests (their KV swapped to host) on both ranks alike; every output
-    equals generate()."""
+    2 DeviceWorkers: the pool holds 16 of a rank's KV blocks, fewer than the burst needs, so the
+    leader's policy preempts requests (their KV swapped to host) on both ranks alike; every
+    output equals generate()."""
     ray = ray_session
     path = ensure_model("llama-tiny-b")
-    rank_spec = TPShard(0, 2).spec(ModelSpec.from_dir(path))
-    slab = rank_spec.kv_shape.block_bytes * 4
-    weights = KernelPath("reference", "cpu").weight_layout(path, torch.float32, TPShard(0, 2)).total_bytes
-    config = EngineConfig(budget_bytes=slab * 4 + weights + 4096, kv_bytes=slab * 4, num_slots=1, slab_bytes=slab,
-                          host_kv_bytes=slab * 64, kernels="reference", detokenize=False)
-    address = free_address()
-    member = ray.remote(num_cpus=0)(TPMember).remote(config, TPShard(1, 2), address)
-    leader = _leader_actor(ray).remote(config, address)
+    workers = _group(ray, _config(path), "big", path)
     try:
-        ray.get(member.register_model.remote("big", str(path)), timeout=120)
-        ray.get(leader.register_model.remote("big", str(path), [member]), timeout=120)
-        rng = random.Random(7)
-        prompts = [[rng.randrange(8, 2000) for _ in range(rng.choice([7, 15, 17, 31, 33, 40]))] for _ in range(BURST)]
-        requests = [GenerateRequest(f"r{i}", "big", tuple(p), SamplingParams(max_tokens=BURST_MAX_NEW, temperature=0.0))
-                    for i, p in enumerate(prompts)]
-        tokens, errors, preemptions = ray.get(leader.generate.remote(requests), timeout=180)
+        requests = _requests("big", 7, BURST)
+        tokens = _serve(ray, [(workers[0], r) for r in requests])
+        stats = ray.get(workers[0].stats.remote())
     finally:
-        for actor in (leader, member):
-            ray.kill(actor)
-    assert not errors
-    assert preemptions > 0, "the pool was meant to be too small for the whole burst"
-    for i, p in enumerate(prompts):
-        assert tokens[f"r{i}"] == hf_greedy(path, p, BURST_MAX_NEW), f"r{i}"
+        for w in workers:
+            ray.kill(w)
+    assert stats.engine.num_preemptions > 0, "the pool was meant to be too small for the whole burst"
+    assert tokens == _expect(path, requests)
