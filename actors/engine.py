@@ -143,16 +143,20 @@ class Engine:
         self._hold_after_prefill: set[str] = set()   # detach these the step their first token comes out
         self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
         self._led: set[str] = set()       # tensor-parallel models whose group this engine leads
+        self._tp_shapes: set = set()      # KV shapes of the tensor-parallel models here (dedicated slabs)
 
     # -- models ---------------------------------------------------------------------------
 
     def register_model(self, name: str, path: str | Path, group: TPGroup | None = None,
-                       members=None) -> RegisteredModel:
+                       members=None, kv_share: float = 0.5) -> RegisteredModel:
         """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit.
         Registering the same name and checkpoint again is a no-op (placement may retry).
 
         group: this process's tensor-parallel group; this engine then holds its rank's part.
-        members: on the leader (rank 0), the TPMembers its steps go to (their models registered)."""
+        members: on the leader (rank 0), the TPMembers its steps go to (their models registered).
+        kv_share: the share of the KV pool and of the host swap space a tensor-parallel model
+        holds for good, the same slabs on every rank (its blocks are the leader's decision);
+        register a group's models on every rank in the same order, before serving."""
         if name in self.models:
             if Path(self.models[name].spec.path).resolve() == Path(path).resolve():
                 return self.model_info(name)
@@ -168,6 +172,12 @@ class Engine:
         if kv_shape.block_bytes > self.config.slab_bytes:
             raise ValueError(f"model {name!r}: one KV block takes {format_bytes(kv_shape.block_bytes)} but a "
                              f"KV slab holds {format_bytes(self.config.slab_bytes)}; raise slab_bytes")
+        if any(kv_shape == _kv_shape(m.spec, m.dtype) for m in self.models.values()) and \
+                (shard.size > 1 or self._tp_shapes):
+            raise ValueError(f"model {name!r}: its KV blocks have the shape of another model's here, and one of "
+                             f"them is tensor-parallel (its blocks are its leader's to decide)")
+        if shard.size > 1:
+            self._dedicate_kv(name, kv_shape, kv_share)
         self.slots.add_model(name, layout)   # refuses weights larger than a slot, with the numbers
         tokenizer = None
         if self.config.detokenize:
@@ -184,6 +194,15 @@ class Engine:
         self.policy.add_model(name, kv_shape, layout.total_bytes)
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
         return self.model_info(name)
+
+    def _dedicate_kv(self, name: str, shape, kv_share: float) -> None:
+        if not 0 < kv_share < 1:
+            raise ValueError(f"kv_share must be in (0, 1), got {kv_share!r}")
+        for blocks in (self.blocks, self.host_blocks):
+            if blocks is not None:
+                blocks.dedicate(shape, max(1, int(blocks.num_slabs * kv_share)))
+        self._tp_shapes.add(shape)
+        logger.info("%s: %.0f%% of the KV pool dedicated to its tensor-parallel group", name, 100 * kv_share)
 
     def unregister_model(self, name: str, evict_host: bool = False) -> None:
         """Stop serving `name` and free what it held: its weight slot, its runner and its KV view

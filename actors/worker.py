@@ -228,13 +228,15 @@ class DeviceWorker:
             raise ValueError(f"worker {self.worker_id} already belongs to a tensor-parallel group")
         self.tp_group = await self._on_engine(TPGroup, shard, address, self.engine.device)
 
-    async def register_tp_model(self, name: str, path: str, members: list | None = None) -> RegisteredModel:
+    async def register_tp_model(self, name: str, path: str, members: list | None = None,
+                                kv_share: float = 0.5) -> RegisteredModel:
         """Hold this rank's part of `name`, split over this worker's group. members: on the
-        leader, the other ranks' workers in rank order (each registered it first); None on a member."""
+        leader, the other ranks' workers in rank order (each registered it first); None on a
+        member. kv_share: of this device's KV pool, held for the group (Engine.register_model)."""
         if self.tp_group is None:
             raise ValueError(f"worker {self.worker_id} has joined no tensor-parallel group")
         leading = TPMembers(members) if members else None
-        registered = await self._on_engine(self.engine.register_model, name, path, self.tp_group, leading)
+        registered = await self._on_engine(self.engine.register_model, name, path, self.tp_group, leading, kv_share)
         freeze_heap(collect=False)
         return registered
 

@@ -8,7 +8,9 @@ the whole checkpoint, token for token:
   heads, 1 KV head);
 - served by two DeviceWorkers: the leader (rank 0, its policy deciding every step) and a
   member (rank 1) that follows each step through Ray actor calls, under a burst of 16
-  requests in a KV pool small enough that requests are preempted and swapped to host and back.
+  requests in a KV pool small enough that requests are preempted and swapped to host and back;
+- beside two single-device models, one on each of the group's devices, under two bursts:
+  each device switches between the group's turns and its own model's, token by token.
 """
 from __future__ import annotations
 
@@ -148,3 +150,54 @@ def test_a_tp2_group_serves_a_burst_exactly(ray_session):
             ray.kill(w)
     assert stats.engine.num_preemptions > 0, "the pool was meant to be too small for the whole burst"
     assert tokens == _expect(path, requests)
+
+
+def _runs(timeline) -> list[str]:
+    """The models of a device's timeline, one entry per run of consecutive steps of one model."""
+    runs: list[str] = []
+    for record in sorted(timeline, key=lambda r: r.start):
+        if not runs or runs[-1] != record.model:
+            runs.append(record.model)
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_a_group_and_two_single_device_models_take_turns_token_by_token(ray_session):
+    """A TP-2 model (llama-tiny-b, over both devices) beside llama-tiny-a on the leader's device
+    and qwen2-tiny-a on the member's, one weight slot each: two bursts of all three at once.
+    Every output equals generate(); each device's timeline shows the group's turns between its
+    own model's, and on each device the group's weights were swapped in again after the
+    device's own model had its slot (its members swap in with the leader)."""
+    ray = ray_session
+    big, mine, theirs = (ensure_model(m) for m in ("llama-tiny-b", "llama-tiny-a", "qwen2-tiny-a"))
+    block = max(ModelSpec.from_dir(p).kv_shape.block_bytes for p in (mine, theirs))
+    kernels = KernelPath("reference", "cpu")
+    slot = max(kernels.weight_layout(p, torch.float32).total_bytes for p in (big, mine, theirs)) + 4096
+    slab = block * 4
+    config = EngineConfig(budget_bytes=slab * 8 + slot, kv_bytes=slab * 8, num_slots=1, slab_bytes=slab,
+                          host_kv_bytes=slab * 64, kernels="reference", detokenize=False)
+    leader, member = _group(ray, config, "big", big)
+    try:
+        ray.get([leader.register_model.remote("mine", str(mine)), member.register_model.remote("theirs", str(theirs))])
+        first = [(leader, r) for r in _requests("big", 1, 6)] + [(leader, r) for r in _requests("mine", 2, 4)] + \
+            [(member, r) for r in _requests("theirs", 3, 4)]
+        second = [(leader, r) for r in _requests("big", 4, 6)] + [(member, r) for r in _requests("theirs", 5, 4)]
+        second = [(w, GenerateRequest(f"{r.request_id}-b", r.model, r.prompt_token_ids, r.sampling_params))
+                  for w, r in second]
+        tokens = _serve(ray, first)
+        tokens |= _serve(ray, second)
+        timelines = ray.get([leader.timeline.remote(), member.timeline.remote()])
+        swaps = [s.engine.weights["swaps_per_model"] for s in ray.get([leader.stats.remote(), member.stats.remote()])]
+    finally:
+        for w in (leader, member):
+            ray.kill(w)
+    paths = {"big": big, "mine": mine, "theirs": theirs}
+    expected = {}
+    for _, r in first + second:
+        expected[r.request_id] = hf_greedy(paths[r.model], list(r.prompt_token_ids), BURST_MAX_NEW)
+    assert tokens == expected
+    for device, own, timeline, swapped in zip(("leader", "member"), ("mine", "theirs"), timelines, swaps):
+        runs = _runs(timeline)
+        assert set(runs) == {"big", own}, device
+        assert sum(1 for a, b in zip(runs, runs[1:]) if (a, b) == ("big", own)) >= 2, (device, runs)
+        assert swapped["big"] >= 2 and swapped[own] >= 2, (device, swapped)
