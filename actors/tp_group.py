@@ -45,6 +45,11 @@ class TPStep:
     is_prefill: bool = False   # for the member's timeline
 
 
+def backend_for(device: torch.device | str) -> str:
+    """The collectives' backend between devices of this kind: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def free_address(host: str = "127.0.0.1") -> str:
     """A tcp:// address on a port free now, for the group's rendezvous (rank 0 listens there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -61,7 +66,7 @@ class TPGroup:
             raise RuntimeError("this process already belongs to a torch.distributed group")
         self.shard = shard
         self.device = torch.device(device)
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = backend_for(self.device)
         dist.init_process_group(self.backend, init_method=address, rank=shard.rank, world_size=shard.size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         logger.info("tensor-parallel rank %d of %d joined over %s (%s)", shard.rank, shard.size, self.backend,

@@ -10,8 +10,10 @@ from family_checkpoints import phi3, qwen3
 from actors.host_cache import HostWeightCache
 from actors.kernel_path import KernelPath
 from actors.layer_kernels import layer_names
+from actors.model_runner import ModelRunner
 from actors.model_spec import ModelSpec
 from actors.tensor_parallel import TPShard
+from actors.tp_group import backend_for
 from actors.weight_layout import TensorCut
 from actors.zoo.zoo import ensure_model
 from tests.tp_ranks import rank_params
@@ -91,3 +93,12 @@ def test_what_does_not_split_is_refused(tmp_path):
         TPShard(0, 2).spec(ModelSpec.from_dir(phi3(tmp_path / "phi3")))
     with pytest.raises(ValueError, match="rank 2 outside a group of 2"):
         TPShard(2, 2)
+
+
+def test_a_rank_on_a_gpu_sums_over_nccl_without_cuda_graphs():
+    """The GPU path's choices, checked on a CPU: NCCL between CUDA devices (gloo between CPUs),
+    and a rank's runner refuses CUDA graphs (a captured all-reduce is not supported)."""
+    assert (backend_for("cuda:1"), backend_for("cuda"), backend_for("cpu")) == ("nccl", "nccl", "gloo")
+    spec = TPShard(0, 2).spec(ModelSpec.from_dir(ensure_model("llama-tiny-a")))
+    with pytest.raises(ValueError, match="CUDA graphs of a tensor-parallel rank"):
+        ModelRunner(spec, "cpu", cuda_graphs=True, all_reduce=lambda x: x)
