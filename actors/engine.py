@@ -9,6 +9,11 @@ forward of the model runner, sampling, and OutputFrames of token ids (with their
 when `detokenize`; else the caller makes the text).
 Everything is made once at start (device memory, KV pool, host swap space); a model
 switch is a bulk copy into a slot, never a re-initialisation.
+
+A tensor-parallel model (actors/tensor_parallel.py) is registered with its group: this
+engine holds its rank's part. On the group's leader (rank 0) the policy schedules it like
+any model, and each step's KV copies and forwards go to the members first (`TPMembers`,
+actors/tp_member.py); a member's engine never schedules, it `follow`s them.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from actors.model_runner import ModelRunner, SeqChunk
 from actors.model_spec import ModelSpec
 from actors.output_stream import OutputAssembler
 from actors.sampler import Sampler, skip_draws
+from actors.tensor_parallel import TPShard
+from actors.tp_group import TPGroup, TPStep
 from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
@@ -41,7 +48,7 @@ from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, Hand
 from scheduler.policy import SchedulerConfig, SchedulingPolicy
 from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler_output import SchedulerOutput, StepResult
+from scheduler.scheduler_output import KVCopy, SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +107,7 @@ class LoadedModel:
     tokenizer: object   # None when the engine does not detokenise
     dtype: torch.dtype
     kv: torch.Tensor   # the KV pool viewed as this model's blocks (the pool never moves)
+    members: object = None   # a tensor-parallel leader's TPMembers (actors/tp_member.py); None otherwise
 
 
 class Engine:
@@ -134,36 +142,67 @@ class Engine:
         self._held: dict[str, tuple[Request, OutputAssembler]] = {}   # detached for a KV handoff
         self._hold_after_prefill: set[str] = set()   # detach these the step their first token comes out
         self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
+        self._led: set[str] = set()       # tensor-parallel models whose group this engine leads
+        self._tp_shapes: set = set()      # KV shapes of the tensor-parallel models here (dedicated slabs)
 
     # -- models ---------------------------------------------------------------------------
 
-    def register_model(self, name: str, path: str | Path) -> RegisteredModel:
+    def register_model(self, name: str, path: str | Path, group: TPGroup | None = None,
+                       members=None, kv_share: float = 0.5) -> RegisteredModel:
         """Make `name` servable from the checkpoint at `path`; refuse it if it can never fit.
-        Registering the same name and checkpoint again is a no-op (placement may retry)."""
+        Registering the same name and checkpoint again is a no-op (placement may retry).
+
+        group: this process's tensor-parallel group; this engine then holds its rank's part.
+        members: on the leader (rank 0), the TPMembers its steps go to (their models registered).
+        kv_share: the share of the KV pool and of the host swap space a tensor-parallel model
+        holds for good, the same slabs on every rank (its blocks are the leader's decision);
+        register a group's models on every rank in the same order, before serving."""
         if name in self.models:
             if Path(self.models[name].spec.path).resolve() == Path(path).resolve():
                 return self.model_info(name)
             raise ValueError(f"model {name!r} is already registered from {self.models[name].spec.path}")
-        spec = ModelSpec.from_dir(path)
+        shard = group.shard if group is not None else TPShard()
+        if shard.size > 1 and (members is None) != (shard.rank > 0):
+            raise ValueError(f"model {name!r}: a tensor-parallel leader (rank 0) needs its members, "
+                             f"and only the leader has them (rank {shard.rank})")
+        spec = shard.spec(ModelSpec.from_dir(path))
         dtype = getattr(torch, self.config.dtype or spec.torch_dtype)
-        layout = self.kernel_path.weight_layout(path, dtype)
+        layout = self.kernel_path.weight_layout(path, dtype, shard)
         kv_shape = _kv_shape(spec, dtype)
         if kv_shape.block_bytes > self.config.slab_bytes:
             raise ValueError(f"model {name!r}: one KV block takes {format_bytes(kv_shape.block_bytes)} but a "
                              f"KV slab holds {format_bytes(self.config.slab_bytes)}; raise slab_bytes")
+        if any(kv_shape == _kv_shape(m.spec, m.dtype) for m in self.models.values()) and \
+                (shard.size > 1 or self._tp_shapes):
+            raise ValueError(f"model {name!r}: its KV blocks have the shape of another model's here, and one of "
+                             f"them is tensor-parallel (its blocks are its leader's to decide)")
+        if shard.size > 1:
+            self._dedicate_kv(name, kv_shape, kv_share)
         self.slots.add_model(name, layout)   # refuses weights larger than a slot, with the numbers
         tokenizer = None
         if self.config.detokenize:
             from transformers import AutoTokenizer   # heavy import, only where a model is registered
 
             tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
-        runner = ModelRunner(spec, self.device, self.kernels, cuda_graphs=self.kernel_path.cuda_graphs)
+        runner = ModelRunner(spec, self.device, self.kernels, cuda_graphs=self.kernel_path.cuda_graphs and not group,
+                             all_reduce=group.all_reduce if shard.size > 1 else None)
         self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype,
-                                        self.kv_pool.view(kv_shape, dtype))
+                                        self.kv_pool.view(kv_shape, dtype), members)
+        if members is not None:
+            self._led.add(name)
         self.estimator.register_model(name, layout.total_bytes)
         self.policy.add_model(name, kv_shape, layout.total_bytes)
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
         return self.model_info(name)
+
+    def _dedicate_kv(self, name: str, shape, kv_share: float) -> None:
+        if not 0 < kv_share < 1:
+            raise ValueError(f"kv_share must be in (0, 1), got {kv_share!r}")
+        for blocks in (self.blocks, self.host_blocks):
+            if blocks is not None:
+                blocks.dedicate(shape, max(1, int(blocks.num_slabs * kv_share)))
+        self._tp_shapes.add(shape)
+        logger.info("%s: %.0f%% of the KV pool dedicated to its tensor-parallel group", name, 100 * kv_share)
 
     def unregister_model(self, name: str, evict_host: bool = False) -> None:
         """Stop serving `name` and free what it held: its weight slot, its runner and its KV view
@@ -177,6 +216,7 @@ class Engine:
         self.policy.remove_model(name)
         self.slots.remove_model(name, evict_host)
         self.decode_step_s_by_model.pop(name, None)
+        self._led.discard(name)
         del self.models[name]
         logger.info("unregistered %s%s", name, " (host cache evicted)" if evict_host else "")
 
@@ -298,17 +338,50 @@ class Engine:
                 self._take_out(request)
 
     def _prepare(self, output: SchedulerOutput) -> float:
-        """Weights of output.model in a slot, KV swaps done, next model prefetching."""
+        """Weights of output.model in a slot, KV swaps done, next model prefetching; the same
+        sent first to the members of each tensor-parallel model led here that has a part in it."""
+        pending = []
+        for name in self._led:
+            copies = self._copies_of(name, output)
+            if name == output.model or any(copies):
+                members = self.models[name].members
+                pending.append((members, members.send(TPStep(name, *copies))))
         switch_s = self.slots.ensure_resident(output.model)
         if output.prefetch_model and output.prefetch_model != output.model and output.prefetch_model in self.models:
             self.slots.prefetch(output.prefetch_model)
-        for copy in output.swap_out:
-            view, host_view = self._kv_views(copy.request_id)
-            copy_blocks(view, copy.src, host_view, copy.dst)
-        for copy in output.swap_in:
-            view, host_view = self._kv_views(copy.request_id)
-            copy_blocks(host_view, copy.src, view, copy.dst)
+        self._swap(output.swap_out, output.swap_in)
+        for members, sent in pending:
+            members.wait(sent)
         return switch_s
+
+    def _copies_of(self, model: str, output: SchedulerOutput) -> tuple[tuple[KVCopy, ...], tuple[KVCopy, ...]]:
+        """The swaps (out, in) of `model`'s requests in this step."""
+        return (tuple(c for c in output.swap_out if self.requests[c.request_id].model == model),
+                tuple(c for c in output.swap_in if self.requests[c.request_id].model == model))
+
+    def _swap(self, swap_out, swap_in, model: str | None = None) -> None:
+        """Every device -> host copy, then every host -> device copy (a swap-in may land in blocks
+        a swap-out just left). model: whose KV they all are (None: each request's model)."""
+        for copies, to_host in ((swap_out, True), (swap_in, False)):
+            for copy in copies:
+                m = self.models[model or self.requests[copy.request_id].model]
+                shape = _kv_shape(m.spec, m.dtype)
+                view, host_view = self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
+                if to_host:
+                    copy_blocks(view, copy.src, host_view, copy.dst)
+                else:
+                    copy_blocks(host_view, copy.src, view, copy.dst)
+
+    def follow(self, step: TPStep) -> None:
+        """A tensor-parallel member's share of its leader's step (see TPStep); the forward's
+        logits are the leader's too, and only the leader samples."""
+        m = self._model(step.model)
+        start = self.clock()
+        self.slots.ensure_resident(step.model)
+        self._swap(step.swap_out, step.swap_in, step.model)
+        if step.chunks:
+            m.runner.forward(self.slots.params(step.model), list(step.chunks), m.kv)
+            self.timeline.append(StepRecord(step.model, start, self.clock(), step.is_prefill))
 
     def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """One forward + sampling: (request id -> token, request id -> why it failed alone)."""
@@ -326,7 +399,13 @@ class Engine:
             return SeqChunk(tokens, restart, r.block_ids)
 
         def forward(requests: list[Request]) -> torch.Tensor:   # -> [B, vocab]
-            return m.runner.forward(params, [chunk(r) for r in requests], m.kv)
+            chunks = [chunk(r) for r in requests]
+            if m.members is None:
+                return m.runner.forward(params, chunks, m.kv)
+            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill))   # before ours
+            logits = m.runner.forward(params, chunks, m.kv)
+            m.members.wait(sent)
+            return logits
 
         def draw(requests: list[Request], logits: torch.Tensor) -> list[int]:
             return self.sampler.sample(logits, [r.sampling_params for r in requests],
@@ -394,13 +473,15 @@ class Engine:
     def detach(self, request_id: str) -> tuple[HandoffState, KVBlocks] | None:
         """Take a RUNNING request out of scheduling, its KV blocks held for export: returns its
         state and the blocks of its computed tokens. None when it has no KV on the device now
-        (queued, swapped out, finished). Follow with end_detach."""
+        (queued, swapped out, finished) or when its model is tensor-parallel (its KV is split
+        over the group: no handoff of it is done). Follow with end_detach."""
         self._hold_after_prefill.discard(request_id)   # decided now, held or not
         if request_id in self._held:   # held after its prefill (add_request(hold_after_prefill=True))
             request, assembler = self._held[request_id]
         else:
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
+            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens \
+                    or self.models[request.model].members is not None:
                 return None
             assembler = self._take_out(request)
         n = request.num_computed_tokens
@@ -472,6 +553,8 @@ class Engine:
 
     def _kv_blocks(self, model: str, block_ids: list[int]) -> KVBlocks:
         m = self.models[model]
+        if m.members is not None:   # adopt falls back to recomputing the prefix
+            raise ValueError(f"KV handoff of tensor-parallel model {model!r} is not supported")
         return KVBlocks(self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype), tuple(block_ids))
 
     def _forget(self, request_id: str) -> None:
@@ -511,18 +594,13 @@ class Engine:
             num_steps=self.num_steps, forward_seconds=self.forward_seconds, step_seconds=self.step_seconds,
             decode_step_s=self.decode_step_s, decode_step_s_by_model=dict(self.decode_step_s_by_model),
             alpha=self.policy.last_alpha, weights=self.slots.stats(), kernels=self.kernels,
-            kernel_warning=self.kernel_warning)
+            kernel_warning=self.kernel_warning, num_preemptions=self.policy.num_preemptions)
 
     def _model(self, name: str) -> LoadedModel:
         m = self.models.get(name)
         if m is None:
             raise ValueError(f"unknown model {name!r}; registered models: {sorted(self.models)}")
         return m
-
-    def _kv_views(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.models[self.requests[request_id].model]
-        shape = _kv_shape(m.spec, m.dtype)
-        return self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
 
 
 def _ema(previous: float, sample: float) -> float:

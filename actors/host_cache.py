@@ -251,7 +251,7 @@ def _map_file(path: Path, size: int) -> mmap.mmap:
 
 def _read_checkpoint(layout: WeightLayout, flat: torch.Tensor) -> None:
     """Write every entry's bytes into its place in `flat`: a tensor stored as the layout wants
-    it is read straight in; a converted, fused or packed one is read, then built there."""
+    it is read straight in; a converted, fused, cut or packed one is read, then built there."""
     handles: dict[str, object] = {}
 
     def read(src, dtype: torch.dtype) -> torch.Tensor:
@@ -267,14 +267,17 @@ def _read_checkpoint(layout: WeightLayout, flat: torch.Tensor) -> None:
         for e in layout.entries:
             dst = flat[e.offset:e.offset + e.nbytes]
             src = e.sources[0]
-            if len(e.sources) == 1 and e.packed is None and src.file_dtype == e.dtype:
+            if len(e.sources) == 1 and e.packed is None and e.cut is None and src.file_dtype == e.dtype:
                 f = handles.get(src.file) or handles.setdefault(src.file, open(src.file, "rb"))
                 f.seek(src.file_offset)
                 n = f.readinto(memoryview(dst.numpy()))
                 if n != e.nbytes:
                     raise ValueError(f"{src.file}: short read for {e.name} ({n} of {e.nbytes} bytes)")
                 continue
-            tensor = torch.cat([read(s, e.dtype) for s in e.sources])   # [sum of dim 0, ...]
+            parts = [read(s, e.dtype) for s in e.sources]
+            if e.cut is not None:   # a tensor-parallel rank's part of each source
+                parts = [e.cut.apply(p) for p in parts]
+            tensor = torch.cat(parts)   # [sum of dim 0, ...]
             if e.packed is not None:
                 pack_into(dst, tensor, e.packed)
             else:

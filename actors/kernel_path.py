@@ -21,7 +21,8 @@ import torch
 from actors import cpu_isa, packed_linear, paged_attention_cpu
 from actors.layer_kernels import fast_plan
 from actors.model_spec import ModelSpec
-from actors.weight_layout import WeightLayout
+from actors.tensor_parallel import TPShard
+from actors.weight_layout import WeightLayout, checkpoint_plan
 
 KERNELS = ("reference", "fast")
 
@@ -74,9 +75,16 @@ class KernelPath:
         return ("dtype bfloat16 with kernels 'fast' needs a CPU with AVX512-BF16 or AMX "
                 f"(this one: {features['torch_capability']}{hidden}, no bf16 support in oneDNN); use dtype float32")
 
-    def weight_layout(self, path: str | Path, dtype: torch.dtype) -> WeightLayout:
-        """The flat layout of the checkpoint at `path` that this path's runner reads."""
-        plan = fast_plan(ModelSpec.from_dir(path), self.packs(dtype)) if self.kernels == "fast" else None
+    def weight_layout(self, path: str | Path, dtype: torch.dtype, shard: TPShard = TPShard()) -> WeightLayout:
+        """The flat layout of the checkpoint at `path` that this path's runner reads (of one
+        tensor-parallel rank: its part of the split tensors, actors/tensor_parallel.py)."""
+        spec = ModelSpec.from_dir(path)
+        if self.kernels == "fast":
+            plan = fast_plan(shard.spec(spec), self.packs(dtype))   # packed or not by the rank's shapes
+        else:
+            plan = checkpoint_plan(path) if shard.size > 1 else None
+        if shard.size > 1:
+            plan = shard.plan(spec, plan)
         return WeightLayout.from_dir(path, dtype=dtype, plan=plan)
 
     def describe(self, dtype: torch.dtype) -> dict:

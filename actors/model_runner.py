@@ -15,10 +15,16 @@ reference (transformers' arithmetic, the checkpoint's own tensors) or the fast p
 (fused, packed). What is derived once per model (RoPE frequencies, parameter names)
 lives on the runner. On CUDA, decode steps replay captured graphs (actors/cuda_graphs.py),
 applied in `forward` and nowhere else.
+
+A rank of a tensor-parallel group (actors/tensor_parallel.py) runs its part of each layer:
+its spec has its share of heads and intermediate rows, and `all_reduce` (the group's sum,
+actors/tp_group.py) makes the attention output and the MLP output whole again, before
+any norm or residual add reads them. On one device it is the identity.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +69,13 @@ class _Step:
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, device: torch.device | str, kernels: str = "reference",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """all_reduce: a tensor-parallel rank's sum over its group # [T, hidden] -> [T, hidden]
+        (None: one device, nothing to sum)."""
+        if all_reduce is not None and cuda_graphs:
+            raise ValueError("CUDA graphs of a tensor-parallel rank are not supported")
         self.spec = spec
+        self.all_reduce = all_reduce or _whole
         self.device = torch.device(device)
         # one rotary embedding per kind of layer: Gemma 3's sliding layers have their own base
         global_rope = Rope(spec, self.device)
@@ -113,11 +124,11 @@ class ModelRunner:
             # q [T, H, D]; this layer's k and v of the new tokens are in the pool after this
             q = kernels.qkv_cached(params, names, h, cos, sin, kv_tokens, kv_flat, step, layer)
             attn = kernels.attention(q, kv_windows, kv_flat, step, step.block_offsets + 2 * layer * block_row, layer)
-            out = kernels.o(params, names, attn)
+            out = self.all_reduce(kernels.o(params, names, attn))
             if names.attn_out_norm is not None:
                 out = kernels.norm(out, params[names.attn_out_norm])
             x, h = kernels.add_norm(x, out, params[names.mlp_norm])
-            delta = kernels.mlp(params, names, h)
+            delta = self.all_reduce(kernels.mlp(params, names, h))
             if names.mlp_out_norm is not None:
                 delta = kernels.norm(delta, params[names.mlp_out_norm])
             if layer + 1 < len(layers):
@@ -259,3 +270,8 @@ class ModelRunner:
         # repeat, not expand: with Tq = 1 an expanded view stays a view with stride 0 over the
         # groups, and a CUDA graph's static mask must own its elements (copy_ into it)
         return additive[:, None].repeat(1, self.group, 1, 1).reshape(B, 1, self.group * Tq, S)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """One device's all-reduce: its output is already the whole sum."""
+    return x

@@ -14,6 +14,10 @@ fused, large linear weights packed for oneDNN); the layout then holds THOSE byte
 host cache builds them once when it fills, and a swap-in is still one bulk copy. A plan
 may name one row of a stacked tensor as `name[i]` (one expert of a MoE checkpoint that
 stores its experts as [E, ...] tensors): its bytes are a slice of the file like any other.
+
+A rank of a tensor-parallel group (actors/tensor_parallel.py) holds a part of some tensors:
+its plan gives those a `TensorCut`, applied to each source before they are concatenated,
+and the layout holds the rank's bytes only (its own host-cache file, its own fingerprint).
 """
 from __future__ import annotations
 
@@ -53,12 +57,42 @@ class TensorSource:
 
 
 @dataclass(frozen=True)
+class TensorCut:
+    """The part of a tensor one rank of `parts` holds: along `dim`, equal piece `index`.
+    dim None: the whole tensor on rank 0 and zeros on the others (a row-split layer's bias,
+    which the all-reduce then adds once)."""
+
+    index: int
+    parts: int
+    dim: int | None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.parts:
+            raise ValueError(f"cut index {self.index} outside [0, {self.parts})")
+        if self.dim not in (None, 0, 1):
+            raise ValueError(f"cut dim must be 0, 1 or None, got {self.dim}")
+
+    def shape(self, shape: tuple[int, ...], name: str) -> tuple[int, ...]:
+        if self.dim is None:
+            return shape
+        if len(shape) <= self.dim or shape[self.dim] % self.parts:
+            raise ValueError(f"{name}: shape {shape} does not split in {self.parts} along dim {self.dim}")
+        return shape[:self.dim] + (shape[self.dim] // self.parts,) + shape[self.dim + 1:]
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dim is None:
+            return tensor if self.index == 0 else torch.zeros_like(tensor)
+        return tensor.chunk(self.parts, dim=self.dim)[self.index]
+
+
+@dataclass(frozen=True)
 class PlannedTensor:
     """A tensor the runner wants in the flat buffer, made of checkpoint tensors."""
 
     name: str
     sources: tuple[str, ...]     # checkpoint tensor names, concatenated along dim 0
     pack: bool = False           # packed linear weight (actors/packed_linear.py)
+    cut: TensorCut | None = None  # a tensor-parallel rank's part of each source (None: whole)
 
 
 @dataclass(frozen=True)
@@ -70,6 +104,7 @@ class WeightEntry:
     nbytes: int                  # bytes in the flat buffer
     sources: tuple[TensorSource, ...]       # one for a checkpoint tensor as it is; several when fused
     packed: PackedFormat | None = None      # None: row-major; else a packed form (actors/packed_linear.py)
+    cut: TensorCut | None = None            # the part of each source this rank holds (None: whole)
 
     def __post_init__(self) -> None:
         if self.offset % ALIGN:
@@ -117,8 +152,7 @@ class WeightLayout:
             raise ValueError(f"target dtype must be floating point, got {dtype}")
         tensors = _checkpoint_tensors(root)   # in file order
         if plan is None:
-            plan = tuple(PlannedTensor(name, (name,)) for name in tensors
-                         if not (name == "lm_head.weight" and _tie_word_embeddings(root)))
+            plan = _checkpoint_plan(root, tensors)
         files = {file: i for i, file in enumerate(dict.fromkeys(s.file for s in tensors.values()))}
         resolved = {}
         for t in plan:
@@ -150,10 +184,21 @@ class WeightLayout:
             h.update(f"{file}:{st.st_size}:{st.st_mtime_ns}".encode())
         for e in self.entries:
             parts = ",".join(f"{s.name}:{s.file_dtype}" for s in e.sources)
-            h.update(f"{e.name}:{e.offset}:{e.shape}:{e.dtype}:{parts}".encode())
+            h.update(f"{e.name}:{e.offset}:{e.shape}:{e.dtype}:{parts}:{e.cut}".encode())
             if e.packed is not None:   # the packed format (ours, or oneDNN: CPU ISA, version) names the bytes too
                 h.update(hashlib.sha256(e.packed.metadata).digest())
         return h.hexdigest()[:24]
+
+
+def checkpoint_plan(path: str | Path) -> tuple[PlannedTensor, ...]:
+    """The plan of a layout without one: every checkpoint tensor as it is (a tied lm_head left out)."""
+    root = Path(path).expanduser().resolve()
+    return _checkpoint_plan(root, _checkpoint_tensors(root))
+
+
+def _checkpoint_plan(root: Path, tensors: dict[str, TensorSource]) -> tuple[PlannedTensor, ...]:
+    return tuple(PlannedTensor(name, (name,)) for name in tensors
+                 if not (name == "lm_head.weight" and _tie_word_embeddings(root)))
 
 
 def _checkpoint_tensors(root: Path) -> dict[str, TensorSource]:
@@ -192,17 +237,18 @@ _ROW = re.compile(r"(.+)\[(\d+)\]")
 def _entry(root: Path, t: PlannedTensor, sources: tuple[TensorSource, ...], offset: int,
            dtype: torch.dtype | None) -> WeightEntry:
     first = sources[0]
-    if any(s.shape[1:] != first.shape[1:] or s.file_dtype != first.file_dtype for s in sources):
+    shapes = [t.cut.shape(s.shape, s.name) if t.cut else s.shape for s in sources]
+    if any(s[1:] != shapes[0][1:] or src.file_dtype != first.file_dtype for s, src in zip(shapes, sources)):
         raise CheckpointError(f"bad model checkpoint: {root} ({t.name}: {', '.join(t.sources)} do not concatenate)")
     out_dtype = dtype if dtype is not None and first.file_dtype.is_floating_point else first.file_dtype
-    shape = (sum(s.shape[0] for s in sources), *first.shape[1:]) if first.shape else ()
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
     packed = None
     if t.pack:
         if len(shape) != 2:
             raise ValueError(f"{t.name}: only 2-D linear weights can be packed, got shape {shape}")
         packed = packed_format(shape, out_dtype)
     nbytes = packed.nbytes if packed is not None else numel(shape) * out_dtype.itemsize
-    return WeightEntry(t.name, offset, shape, out_dtype, nbytes, sources, packed)
+    return WeightEntry(t.name, offset, shape, out_dtype, nbytes, sources, packed, t.cut)
 
 
 def numel(shape: tuple[int, ...]) -> int:

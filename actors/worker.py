@@ -11,6 +11,12 @@ supervisor reads to replace it (cluster/supervisor.py). In the "prefill" role th
 each request's KV to a decode worker after its first frame and ends its stream with a frame
 that names that worker (actors/handoff.py); `generate_prefilled` is the receiving end, which
 the caller reads from then on.
+
+Tensor parallelism (actors/tensor_parallel.py): after `join_tp_group`, `register_tp_model` holds
+this device's part of a model split over the group. The leader (rank 0) serves its requests
+and sends each step to the members' `follow`, which runs on the member's engine thread
+between its own steps: a member goes on serving its own models, and the group's steps
+interleave with theirs token by token.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from actors.frame_stream import FrameBuffer, error_frame
 from actors.handoff import HandoffRelay, KVHandoff
 from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
+from actors.tensor_parallel import TPShard
+from actors.tp_group import TPGroup, TPStep
+from actors.tp_member import TPMembers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
                                 OutputFrame, RegisteredModel, StepRecord, WorkerHealth, WorkerStats,
@@ -199,6 +208,7 @@ class DeviceWorker:
         self.handoff = KVHandoff(self.engine, self.transfers)
         self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
         self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
+        self.tp_group: TPGroup | None = None
         self.started = time.time()
         freeze_heap()   # torch, Ray, the KV pool: no collector pass walks them while streams wait (actors/heap.py)
 
@@ -210,6 +220,29 @@ class DeviceWorker:
         registered = await self._on_engine(self.engine.register_model, name, path)
         freeze_heap(collect=False)   # the model's long-lived state joins the frozen heap
         return registered
+
+    async def join_tp_group(self, shard: TPShard, address: str) -> None:
+        """Make this device rank `shard.rank` of the tensor-parallel group at `address`; returns
+        once every rank has joined (they join at once)."""
+        if self.tp_group is not None:
+            raise ValueError(f"worker {self.worker_id} already belongs to a tensor-parallel group")
+        self.tp_group = await self._on_engine(TPGroup, shard, address, self.engine.device)
+
+    async def register_tp_model(self, name: str, path: str, members: list | None = None,
+                                kv_share: float = 0.5) -> RegisteredModel:
+        """Hold this rank's part of `name`, split over this worker's group. members: on the
+        leader, the other ranks' workers in rank order (each registered it first); None on a
+        member. kv_share: of this device's KV pool, held for the group (Engine.register_model)."""
+        if self.tp_group is None:
+            raise ValueError(f"worker {self.worker_id} has joined no tensor-parallel group")
+        leading = TPMembers(members) if members else None
+        registered = await self._on_engine(self.engine.register_model, name, path, self.tp_group, leading, kv_share)
+        freeze_heap(collect=False)
+        return registered
+
+    async def follow(self, step: TPStep) -> None:
+        """Run the group leader's step on this rank's part (between this engine's own steps)."""
+        await self._on_engine(self.engine.follow, step)
 
     async def unregister_model(self, name: str, evict_host: bool = False) -> None:
         """Free the model's slot, KV view and host-cache mapping here (`evict_host`: the node's

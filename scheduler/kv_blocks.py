@@ -6,6 +6,10 @@ free list as soon as all its blocks are free, so memory moves between models as 
 load moves. Block id g of shape S names slab g // blocks_per_slab(S), index
 g % blocks_per_slab(S); the device pool (actors/kv_pool.py) views the same bytes that way.
 The host KV swap space is a second BlockManager of the same form.
+
+A tensor-parallel model's blocks are decided by its group's leader for every rank, each of
+which serves other models from its own pool too: its shape is `dedicate`d the same slabs on
+every rank, holds them for good and takes no other.
 """
 from __future__ import annotations
 
@@ -52,18 +56,43 @@ class BlockManager:
         self._slab_free: list[set[int]] = [set() for _ in range(num_slabs)]  # free indices in slab
         self._free_slabs: list[int] = list(range(num_slabs - 1, -1, -1))  # stack: lowest on top
         self._shape_slabs: dict[KVShape, set[int]] = {}
+        self._dedicated: set[KVShape] = set()   # shapes that hold their slabs for good, and only those
 
     def blocks_per_slab(self, shape: KVShape) -> int:
         return self.slab_bytes // shape.block_bytes
 
     def capacity_blocks(self, shape: KVShape) -> int:
         """Blocks of `shape` the pool holds when it is empty."""
-        return self.num_slabs * self.blocks_per_slab(shape)
+        slabs = len(self._shape_slabs[shape]) if shape in self._dedicated else self.num_slabs
+        return slabs * self.blocks_per_slab(shape)
 
     def num_free_blocks(self, shape: KVShape) -> int:
         """Blocks of `shape` that can be allocated now, counting whole free slabs."""
         partial = sum(len(self._slab_free[s]) for s in self._shape_slabs.get(shape, ()))
+        if shape in self._dedicated:
+            return partial
         return partial + len(self._free_slabs) * self.blocks_per_slab(shape)
+
+    def dedicate(self, shape: KVShape, num_slabs: int) -> list[int]:
+        """Give `shape` the `num_slabs` highest-numbered free slabs for good, and no other slab
+        from now on. Ranks that dedicate the same shapes in the same order from the same free
+        slabs get the same slabs. Returns them."""
+        per_slab = self.blocks_per_slab(shape)
+        if per_slab == 0:
+            raise ValueError(f"a block of {shape} ({shape.block_bytes} bytes) does not fit in a slab of "
+                             f"{self.slab_bytes} bytes")
+        if shape in self._shape_slabs:
+            raise ValueError(f"{shape} already holds slabs of this pool")
+        if not 0 < num_slabs <= len(self._free_slabs):
+            raise ValueError(f"cannot dedicate {num_slabs} slabs: {len(self._free_slabs)} are free")
+        slabs = sorted(self._free_slabs)[-num_slabs:]
+        self._free_slabs = [s for s in self._free_slabs if s not in slabs]
+        for slab in slabs:
+            self._slab_shape[slab] = shape
+            self._slab_free[slab] = set(range(per_slab))
+        self._shape_slabs[shape] = set(slabs)
+        self._dedicated.add(shape)
+        return slabs
 
     @property
     def num_free_slabs(self) -> int:
@@ -127,6 +156,8 @@ class BlockManager:
                 self._release_slab(shape, slab)
 
     def _release_slab(self, shape: KVShape, slab: int) -> None:
+        if shape in self._dedicated:   # held for good
+            return
         self._slab_shape[slab] = None
         self._slab_free[slab] = set()
         self._shape_slabs[shape].discard(slab)

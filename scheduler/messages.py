@@ -222,6 +222,7 @@ class EngineStats:
     weights: Mapping[str, Any] = field(default_factory=dict)   # weight-slot counters (WeightSlots.stats)
     kernels: str = "reference"              # the kernel path it runs ("reference" | "fast")
     kernel_warning: str = ""                # why the fast path was refused on its device ("" = none)
+    num_preemptions: int = 0                # requests preempted for KV blocks (swapped to host or recomputed)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kv_free_frac <= 1.0:

@@ -112,3 +112,24 @@ def test_random_allocate_free_never_double_hands_out_and_never_leaks(ops):
     assert bm.usage()["used_bytes"] == 0
     for shape in SHAPES:
         assert bm.num_free_blocks(shape) == bm.capacity_blocks(shape)
+
+
+def test_a_dedicated_shape_holds_the_same_slabs_on_every_rank_and_only_those():
+    """A tensor-parallel model's blocks are its leader's decision for every rank: each rank
+    dedicates it the same slabs, which its own models never take and which stay dedicated
+    when empty; the dedicated shape never spills into the rest of the pool."""
+    leader, member = BlockManager(num_slabs=4, slab_bytes=SLAB), BlockManager(num_slabs=4, slab_bytes=SLAB)
+    assert leader.dedicate(BIG, 2) == member.dedicate(BIG, 2) == [2, 3]
+    assert leader.capacity_blocks(BIG) == leader.num_free_blocks(BIG) == 4
+    ids = leader.allocate(BIG, 4)
+    assert sorted(g // leader.blocks_per_slab(BIG) for g in ids) == [2, 2, 3, 3]
+    assert leader.allocate(BIG, 1) is None          # no spill into the two free slabs
+    own = member.allocate(SMALL, 16)                # the member's own model fills the rest...
+    assert {g // member.blocks_per_slab(SMALL) for g in own} == {0, 1}
+    assert member.allocate(SMALL, 1) is None        # ...and never the group's slabs
+    leader.free(BIG, ids)
+    assert leader.num_free_slabs == 2 and leader.num_free_blocks(BIG) == 4   # still the group's
+    with pytest.raises(ValueError, match="already holds slabs"):
+        leader.dedicate(BIG, 1)
+    with pytest.raises(ValueError, match="cannot dedicate 3 slabs: 2 are free"):
+        leader.dedicate(SMALL, 3)

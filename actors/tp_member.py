@@ -1,0 +1,33 @@
+"""How a tensor-parallel group's leader drives its members (ranks 1..N-1).
+
+The leader (rank 0) is a DeviceWorker whose engine's policy schedules the model; each member
+is a DeviceWorker too, with the model's part registered (`register_tp_model`). For every step
+of the model the leader's engine sends a `TPStep` (actors/tp_group.py) to each member's
+`follow` with a plain Ray actor call, runs its own part, and waits for theirs. Calls from
+one caller run on an actor in the order they were sent, and a member runs each on its engine
+thread between its own steps, so every rank runs the same forwards in the same order and
+their all-reduces pair up. A member's engine has the leader's EngineConfig, so its KV pool
+has the leader's geometry and the leader's block ids mean the same blocks there.
+"""
+from __future__ import annotations
+
+import ray
+
+from actors.tp_group import TPStep
+
+
+class TPMembers:
+    """The leader's handles on its group's members (DeviceWorkers), in rank order (1..N-1)."""
+
+    def __init__(self, handles: list):
+        if not handles:
+            raise ValueError("a tensor-parallel group needs at least one member besides its leader")
+        self.handles = list(handles)
+
+    def send(self, step: TPStep) -> list:
+        """Start `step` on every member; returns what `wait` takes."""
+        return [h.follow.remote(step) for h in self.handles]
+
+    def wait(self, sent: list) -> None:
+        """Until every member has run its step (raises a member's error)."""
+        ray.get(sent)
