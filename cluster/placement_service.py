@@ -39,6 +39,8 @@ from scheduler.slo import SLO
 
 logger = logging.getLogger(__name__)
 
+REGISTRATION_FAILED = "registration failed"   # why a model every planned worker failed to register is unplaceable
+
 
 def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
     """(path, ModelInfo) from a checkpoint path, or a dict {path, weight_bytes, kv_bytes_per_token}."""
@@ -172,7 +174,7 @@ class PlacementService:
             if kept:
                 assignments[m] = kept
             else:
-                unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
+                unplaceable[m] = f"{REGISTRATION_FAILED}: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
         return PlacementPlan(assignments=assignments, roles=plan.roles, models=plan.models, slos=plan.slos,
                              demand=plan.demand, unplaceable=unplaceable, version=plan.version)
 
