@@ -19,7 +19,7 @@ def test_a_short_catalog_bench_scores_every_floor_and_loses_nothing(ray_session)
 
     models = {name: zoo_path(zoo) for name, zoo in MODELS.items()}
     with run_local(models, port=free_port(), app_name=APP, **SERVER_ARGS) as url:
-        r = run_pairs(url, pairs=1, rate=3.0, duration_s=5.0, drain_s=5.0, seed=1)
+        r = run_pairs(url, pairs=1, rate=3.0, duration_s=5.0, drain_s=1.0, seed=1)
         served = httpx.get(f"{url}/admin/models", timeout=30).json()["models"]
 
     assert set(r["floors"]) == set(FLOORS)

@@ -13,7 +13,9 @@ load twice with the same seed, once unchanged (baseline) and once while the cata
 
 Scored, against FLOORS:
     untouched_failures        requests of the untouched models that did not complete
-    untouched_ttft_p99_ratio  their client TTFT p99 with changes / without (median over pairs)
+    untouched_ttft_p99_ratio  their client TTFT p99 with changes / without (median over pairs);
+                              beside it, the p99 of those waiting for a first token while a
+                              change call ran and of the others
     add_to_first_token_s      `add` returning -> the added model's first token (worst pair)
     touched_unexplained       requests of the updated or removed model that neither equal
                               transformers' greedy output of the version that served them
@@ -50,7 +52,7 @@ FLOORS = {"untouched_failures": ("==", 0), "untouched_ttft_p99_ratio": ("<=", 1.
           "rss_change_frac": ("<=", 0.05), "kv_used_change": ("<=", 0.05)}
 PROMPTS = ([11, 400, 77, 1234, 9, 18, 600, 5], [3, 141, 59, 26, 535, 89], [100, 200, 300, 400, 500, 600, 700],
            [42, 7, 1999, 13, 88])
-MAX_TOKENS = (8, 24)          # each request's max_tokens is drawn from this range
+MAX_TOKENS = (8, 48)          # each request's max_tokens is drawn from this range
 BURST_SHAPE = 0.25            # gamma shape of the inter-arrival times: CV = 1 / sqrt(shape) = 2
 CHANGE_AT = {"add": 0.2, "update": 0.4, "remove": 0.6}   # share of the load's duration
 
@@ -59,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", type=int, default=3, help="baseline/changes pairs (default 3)")
     parser.add_argument("--rate", type=float, default=4.0, help="requests per second, all models (default 4)")
     parser.add_argument("--duration-s", type=float, default=20.0, help="seconds of load per run (default 20)")
-    parser.add_argument("--drain-s", type=float, default=10.0, help="the removal's drain (default 10)")
+    parser.add_argument("--drain-s", type=float, default=1.0,
+                        help="the removal's drain: requests still in flight after it are cut (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE too")
 
@@ -164,10 +167,10 @@ def change_catalog(client, duration_s: float, drain_s: float, started: float) ->
 
     out: dict = {"paths": {}}
     at(CHANGE_AT["add"])
-    t0 = time.monotonic()
+    out["add_started"] = time.monotonic()
     entry = admin(client, "POST", "/admin/models", json={"name": ADDED, "path": zoo_path(ADDED_ZOO)})
     out["add_returned"] = added = time.monotonic()
-    out["add_s"] = added - t0
+    out["add_s"] = added - out["add_started"]
     probe = Outcome()
     with client.stream("POST", "/v1/completions", json={"model": ADDED, "prompt": PROMPTS[0], "max_tokens": 4,
                                                         "temperature": 0, "stream": True}) as resp:
@@ -223,7 +226,22 @@ def run_once(url: str, bodies: list[dict], at: list[float], rate: float, changes
         paths.update(done.pop("paths", {}))
         result.update(done)
         result.update(score_touched(bodies, outcomes, paths, reference, done))
+        result.update(untouched_near_changes(bodies, outcomes, done))
     return result
+
+
+def untouched_near_changes(bodies: list[dict], outcomes: list[Outcome], changes: dict) -> dict:
+    """The untouched models' client TTFT p99 of requests waiting for their first token while a
+    change call ran, and of the others: where a changes run's TTFT tail comes from."""
+    windows = [(changes[f"{kind}_started"], changes[f"{kind}_started"] + changes[f"{kind}_s"])
+               for kind in CHANGE_AT if f"{kind}_s" in changes]
+    near, away = [], []
+    for body, o in zip(bodies, outcomes):
+        if body["model"] in UNTOUCHED and o.ok and o.first_token_at is not None:
+            during = any(o.sent_at <= end and o.first_token_at >= start for start, end in windows)
+            (near if during else away).append(o.first_token_at - o.sent_at)
+    return {"untouched_near_changes": len(near), "untouched_near_changes_ttft_p99_s": quantile(near, 0.99),
+            "untouched_away_ttft_p99_s": quantile(away, 0.99)}
 
 
 def score_untouched(bodies: list[dict], outcomes: list[Outcome]) -> dict:
@@ -321,6 +339,8 @@ def summarize(runs: list[dict]) -> dict:
         "untouched_ttft_p99_s_without": [p["baseline"]["untouched_ttft_p99_s"] for p in runs],
         "untouched_ttft_p99_ratios": ratios,
         "untouched_ttft_p99_ratio": statistics.median(ratios) if ratios else None,
+        "untouched_ttft_p99_s_near_changes": [c.get("untouched_near_changes_ttft_p99_s") for c in changed],
+        "untouched_ttft_p99_s_away_from_changes": [c.get("untouched_away_ttft_p99_s") for c in changed],
         "add_to_first_token_s": None if None in firsts else max(firsts),
         "touched_unexplained": sum(c.get("touched_unexplained", 1) for c in changed),
         "touched_exact": sum(c.get("touched_exact", 0) for c in changed),
