@@ -222,6 +222,7 @@ def test_memory_returns_after_a_model_is_added_and_removed(cluster, zoo_model):
     before = worker_memory(topology)
     add_serve_remove("measured")
     after = worker_memory(topology)
+    print("worker (RSS MiB, KV used) before -> after:", {w: (before[w], after[w]) for w in sorted(after)})
     assert after.keys() == before.keys()
     for worker, (rss, kv_used) in after.items():
         assert abs(rss - before[worker][0]) <= 0.05 * before[worker][0], (worker, before[worker][0], rss)
