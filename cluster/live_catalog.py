@@ -9,7 +9,9 @@
                         the key -> every worker frees its slot, KV view and host-cache entry
 
 One change at a time (a lock); each ends with the catalog saved in the GCS (CatalogStore), which
-is what a restarted placement service reads back. Nothing changes when a check fails: a bad
+is what a restarted placement service reads back. An add (or update) whose worker dies while it
+loads the model is placed again on the live workers (and on the dead one's replacement) within
+READY_TIMEOUT_S, rather than refused. Nothing changes when a check fails: a bad
 checkpoint, an unknown name, weights that fit no device's slot are CatalogErrors naming the
 field, raised before anything is placed, and a key placement could not place is withdrawn.
 Blocking calls (`ray.get`): run it off an event loop (the Serve app does, in a thread).
@@ -154,14 +156,14 @@ class LiveCatalog:
         """Place the entry's key and wait until a live worker has it registered and the router
         routes it; withdrawn again (CatalogError) when it cannot be."""
         slo = SLO(entry.ttft_s or self.default_slo.ttft_s, entry.tbt_s or self.default_slo.tbt_s)
-        workers = set(self._call(self.topology.router.worker_handles.remote()))
+        known = set(self._call(self.topology.router.worker_handles.remote()))
         plan = self._call(self.topology.placement.add_model.remote(entry.key, entry.path, slo))
         why = plan.unplaceable.get(entry.key)
         deadline = time.monotonic() + READY_TIMEOUT_S
         # a worker that died while it loaded the model fails its registration: the next plans place
         # the model on the live ones (and on the dead one's replacement), until READY_TIMEOUT_S
         while why is not None and why.startswith(REGISTRATION_FAILED) and time.monotonic() < deadline \
-                and self._lost_a_worker(workers):
+                and self._lost_a_worker(known):
             logger.info("catalog: %s lost a worker while registering (%s); placing it again", entry.key, why)
             time.sleep(REPLACE_WAIT_S)
             plan = self._call(self.topology.placement.replan.remote())

@@ -18,7 +18,10 @@ def test_a_short_catalog_bench_scores_every_floor_and_loses_nothing(ray_session)
                                                 zoo_path)
 
     models = {name: zoo_path(zoo) for name, zoo in MODELS.items()}
-    with run_local(models, port=free_port(), app_name=APP, **SERVER_ARGS) as url:
+    # a TTFT SLO no busy host misses: the edge's adaptive admission (429 after late first tokens,
+    # which a loaded 2-core host gives with or without changes) stays out of what is asserted
+    args = {**SERVER_ARGS, "slo": {"ttft_s": 30.0, "tbt_s": 5.0}}
+    with run_local(models, port=free_port(), app_name=APP, **args) as url:
         r = run_pairs(url, pairs=1, rate=3.0, duration_s=5.0, drain_s=1.0, seed=1)
         served = httpx.get(f"{url}/admin/models", timeout=30).json()["models"]
 
@@ -27,7 +30,8 @@ def test_a_short_catalog_bench_scores_every_floor_and_loses_nothing(ray_session)
     (pair,) = r["pairs"]
     assert set(pair["order"]) == {"baseline", "changes"}
     assert pair["changes"]["untouched_requests"] > 0 and pair["changes"]["touched_requests"] > 0
-    assert r["untouched_failures"] == 0, pair["changes"]["untouched_failure_examples"]
+    assert r["untouched_failures"] == 0 and r["untouched_refused_429"] == [0], \
+        pair["changes"]["untouched_failure_examples"]
     assert r["touched_unexplained"] == 0, pair["changes"]["touched_unexplained_examples"]
     assert r["touched_exact"] + r["touched_explicit_error"] == pair["changes"]["touched_requests"]
     assert r["add_to_first_token_s"] is not None and r["add_to_first_token_s"] > 0

@@ -250,6 +250,7 @@ def score_untouched(bodies: list[dict], outcomes: list[Outcome]) -> dict:
     made = [o.first_token_made - o.sent_wall for o in mine if o.ok and o.first_token_made is not None]
     failed = [o for o in mine if not o.ok]
     return {"untouched_requests": len(mine), "untouched_failures": len(failed),
+            "untouched_refused_429": sum(o.status == 429 for o in failed),   # admission under overload
             "untouched_failure_examples": [o.error for o in failed[:3]],
             "untouched_ttft_p50_s": quantile(ttfts, 0.5), "untouched_ttft_p99_s": quantile(ttfts, 0.99),
             "untouched_made_ttft_p99_s": quantile(made, 0.99)}
@@ -335,6 +336,8 @@ def summarize(runs: list[dict]) -> dict:
     results = {
         "untouched_failures": sum(c["untouched_failures"] for c in changed),
         "untouched_failures_baseline": sum(p["baseline"]["untouched_failures"] for p in runs),
+        "untouched_refused_429": [c["untouched_refused_429"] for c in changed],
+        "untouched_refused_429_baseline": [p["baseline"]["untouched_refused_429"] for p in runs],
         "untouched_ttft_p99_s_with_changes": [c["untouched_ttft_p99_s"] for c in changed],
         "untouched_ttft_p99_s_without": [p["baseline"]["untouched_ttft_p99_s"] for p in runs],
         "untouched_ttft_p99_ratios": ratios,
