@@ -9,7 +9,9 @@
                         the key -> every worker frees its slot, KV view and host-cache entry
 
 One change at a time (a lock); each ends with the catalog saved in the GCS (CatalogStore), which
-is what a restarted placement service reads back. Nothing changes when a check fails: a bad
+is what a restarted placement service reads back. An add (or update) whose worker dies while it
+loads the model is placed again on the live workers (and on the dead one's replacement) within
+READY_TIMEOUT_S, rather than refused. Nothing changes when a check fails: a bad
 checkpoint, an unknown name, weights that fit no device's slot are CatalogErrors naming the
 field, raised before anything is placed, and a key placement could not place is withdrawn.
 Blocking calls (`ray.get`): run it off an event loop (the Serve app does, in a thread).
@@ -24,6 +26,7 @@ from typing import Any
 
 from actors.metrics import MetricsExporter
 from cluster.catalog_store import CatalogStore
+from cluster.placement_service import REGISTRATION_FAILED
 from scheduler.catalog import CatalogEntry, CatalogError, ModelCatalog, check_name, serving_key
 from scheduler.slo import SLO
 
@@ -34,6 +37,7 @@ READY_TIMEOUT_S = 60.0      # an added key must be registered and routable withi
 UNPLACE_TIMEOUT_S = 60.0    # a retired key must have left every worker within this
 UPDATE_DRAIN_S = 600.0      # an old version's requests get this long before they are cut
 POLL_S = 0.1
+REPLACE_WAIT_S = 0.5        # between plans while a worker lost during an add is dropped or replaced
 
 
 class LiveCatalog:
@@ -152,9 +156,18 @@ class LiveCatalog:
         """Place the entry's key and wait until a live worker has it registered and the router
         routes it; withdrawn again (CatalogError) when it cannot be."""
         slo = SLO(entry.ttft_s or self.default_slo.ttft_s, entry.tbt_s or self.default_slo.tbt_s)
+        known = set(self._call(self.topology.router.worker_handles.remote()))
         plan = self._call(self.topology.placement.add_model.remote(entry.key, entry.path, slo))
         why = plan.unplaceable.get(entry.key)
         deadline = time.monotonic() + READY_TIMEOUT_S
+        # a worker that died while it loaded the model fails its registration: the next plans place
+        # the model on the live ones (and on the dead one's replacement), until READY_TIMEOUT_S
+        while why is not None and why.startswith(REGISTRATION_FAILED) and time.monotonic() < deadline \
+                and self._lost_a_worker(known):
+            logger.info("catalog: %s lost a worker while registering (%s); placing it again", entry.key, why)
+            time.sleep(REPLACE_WAIT_S)
+            plan = self._call(self.topology.placement.replan.remote())
+            why = plan.unplaceable.get(entry.key)
         while why is None:
             status = self._call(self.topology.router.status.remote())
             plan = self._call(self.topology.router.plan.remote())
@@ -184,6 +197,24 @@ class LiveCatalog:
             self.retire(key, drain_s)
         except Exception:
             logger.exception("catalog: retiring %s failed; it stays placed", key)
+
+    def _lost_a_worker(self, workers: set[str]) -> bool:
+        """Whether one of `workers` has left the router's list, or one it lists is dead (its health
+        call, answered off its engine thread, fails with RayActorError)."""
+        import ray
+
+        handles = self._call(self.topology.router.worker_handles.remote())
+        if workers - set(handles):
+            return True
+        refs = [h.health.remote() for h in handles.values()]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                return True
+            except ray.exceptions.GetTimeoutError:   # alive but slow: not a lost worker
+                continue
+        return False
 
     def _inflight(self, key: str) -> int:
         picked = self._call(self.topology.router.inflight_requests.remote())

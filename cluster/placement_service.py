@@ -41,6 +41,8 @@ from scheduler.tp_groups import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
+REGISTRATION_FAILED = "registration failed"   # why a model every planned worker failed to register is unplaceable
+
 
 def model_entry(name: str, source: Any, tensor_parallel: int = 1) -> tuple[str, ModelInfo]:
     """(path, ModelInfo) from a checkpoint path, or a dict {path, weight_bytes?, kv_bytes_per_token?,
@@ -75,7 +77,7 @@ def without_failed(plan: PlacementPlan, failed: dict[tuple[str, str], str]) -> P
         if kept:
             assignments[m] = kept
         else:
-            unplaceable[m] = "registration failed: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
+            unplaceable[m] = f"{REGISTRATION_FAILED}: " + "; ".join(r for (w, mm), r in failed.items() if mm == m)
     groups = {m: g for m, g in plan.groups.items() if m in assignments}
     return replace(plan, assignments=assignments, unplaceable=unplaceable, groups=groups)
 

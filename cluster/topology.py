@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from actors.metrics import MetricsExporter
 from cluster.catalog_store import CatalogStore
 from cluster.node_watcher import NodeWatcher
-from cluster.placement_service import get_or_create_placement
+from cluster.placement_service import REGISTRATION_FAILED, get_or_create_placement
 from scheduler.tp_groups import check_tensor_parallel
 from cluster.ray_runtime import NodeResources, alive_nodes
 from cluster.router import get_or_create_router
@@ -419,7 +419,7 @@ def bring_up(config: TopologyConfig) -> Topology:
                                "(virtual devices on CPU hosts, see cluster/ray_runtime.py)")
         plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)
         for _ in range(5):   # a replan racing the router's stats may re-register a model and fail
-            if not any("registration failed" in why for why in plan.unplaceable.values()):
+            if not any(REGISTRATION_FAILED in why for why in plan.unplaceable.values()):
                 break
             time.sleep(1.0)
             plan = ray.get(placement.replan.remote(), timeout=CALL_TIMEOUT_S)

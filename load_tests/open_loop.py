@@ -20,20 +20,25 @@ from concurrent.futures import ProcessPoolExecutor
 LAG_PROBE_S = 0.01   # the client's event-loop lag is sampled this often
 
 
-def run_open_loop(url: str, bodies: list[dict], rate: float) -> tuple[list[Outcome], dict]:
-    """Send `bodies` to url's /v1/completions at `rate` per second from a child process; each
-    request's Outcome and the client's own lag."""
+def run_open_loop(url: str, bodies: list[dict], rate: float,
+                  at: list[float] | None = None) -> tuple[list[Outcome], dict]:
+    """Send `bodies` to url's /v1/completions at `rate` per second (or each at its offset `at[i]`
+    in seconds from the start: a bursty schedule) from a child process; each request's Outcome
+    and the client's own lag."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate!r}")
+    if at is not None and len(at) != len(bodies):
+        raise ValueError(f"at has {len(at)} offsets for {len(bodies)} bodies")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(open_loop, url, bodies, rate).result()
+        return pool.submit(open_loop, url, bodies, rate, at).result()
 
 
-def open_loop(url: str, bodies: list[dict], rate: float) -> tuple[list[Outcome], dict]:
-    return asyncio.run(_open_loop(url, bodies, rate))
+def open_loop(url: str, bodies: list[dict], rate: float, at: list[float] | None = None) -> tuple[list[Outcome], dict]:
+    return asyncio.run(_open_loop(url, bodies, rate, at))
 
 
-async def _open_loop(url: str, bodies: list[dict], rate: float) -> tuple[list[Outcome], dict]:
+async def _open_loop(url: str, bodies: list[dict], rate: float,
+                     at: list[float] | None = None) -> tuple[list[Outcome], dict]:
     import aiohttp
 
     lags: list[float] = []
@@ -51,7 +56,7 @@ async def _open_loop(url: str, bodies: list[dict], rate: float) -> tuple[list[Ou
         t0 = time.monotonic()
         tasks = []
         for i, body in enumerate(bodies):
-            wait = i / rate - (time.monotonic() - t0)
+            wait = (i / rate if at is None else at[i]) - (time.monotonic() - t0)
             if wait > 0:
                 await asyncio.sleep(wait)
             late.append(max(0.0, -wait))
@@ -59,7 +64,8 @@ async def _open_loop(url: str, bodies: list[dict], rate: float) -> tuple[list[Ou
         sent_s = time.monotonic() - t0
         outcomes = await asyncio.gather(*tasks)
         prober.cancel()
-    return outcomes, {"send_s": sent_s, "scheduled_s": (len(bodies) - 1) / rate if bodies else 0.0,
+    scheduled_s = ((len(bodies) - 1) / rate if at is None else max(at)) if bodies else 0.0
+    return outcomes, {"send_s": sent_s, "scheduled_s": scheduled_s,
                       "send_late_p99_s": quantile(late, 0.99), "loop_lag_p99_s": quantile(lags, 0.99),
                       "loop_lag_max_s": max(lags, default=None)}
 
@@ -78,6 +84,9 @@ class Outcome:
         self.first_token_made: float | None = None   # when the worker made it (its token_times, wall clock)
         self.answered_at: float | None = None   # when the status line came
         self.num_429 = 0
+        self.fingerprint: str | None = None       # the model version that served it (system_fingerprint)
+        self.error_frame = False                  # the server ended the stream with an error chunk
+        self.finished_at: float | None = None     # when the last byte came (monotonic)
 
     @property
     def ok(self) -> bool:
@@ -86,8 +95,9 @@ class Outcome:
     def read_chunk(self, chunk: dict) -> bool:
         """One SSE chunk of the stream taken in; True when it brought the first token."""
         if "error" in chunk:
-            self.error = chunk["error"]["message"]
+            self.error, self.error_frame = chunk["error"]["message"], True
             return False
+        self.fingerprint = chunk.get("system_fingerprint") or self.fingerprint
         ext = chunk.get("tokenmux", {})
         ids = ext.get("token_ids", [])
         first = bool(ids) and self.first_token_at is None
@@ -111,6 +121,7 @@ async def _send(session, body: dict) -> Outcome:
                 data = await resp.json()
                 out.token_ids = data["tokenmux"]["token_ids"]
                 out.finish_reason = data["choices"][0]["finish_reason"]
+                out.fingerprint = data.get("system_fingerprint")
             else:
                 done = False
                 async for raw in resp.content:
@@ -122,6 +133,7 @@ async def _send(session, body: dict) -> Outcome:
                     out.error = out.error or "the stream ended without [DONE]"
     except Exception as exc:   # a cut connection, a timeout: the client saw a failure
         out.error = out.error or f"{type(exc).__name__}: {exc}"
+    out.finished_at = time.monotonic()
     return out
 
 

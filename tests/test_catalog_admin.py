@@ -45,14 +45,30 @@ def test_bad_input_to_every_admin_route_is_a_4xx_naming_the_field(url, tmp_path,
              ("POST", "/admin/models", {"json": {"name": "x", "path": good, "tensor_parallel": 2}}, 400,
               "tensor_parallel"),
              ("POST", "/admin/models", {"json": {"name": "x", "path": good, "color": 1}}, 400, "color"),
+             ("POST", "/admin/models", {"json": {"path": good}}, 400, "name"),
+             ("POST", "/admin/models", {"json": {"name": "bad name!", "path": good}}, 400, "name"),
+             ("POST", "/admin/models", {"json": {"name": "x", "path": good, "slo_tpot_s": "fast"}}, 400,
+              "slo_tpot_s"),
              ("PUT", "/admin/models/nope", {"json": {"path": good}}, 404, "name"),
              ("PUT", "/admin/models/llama-a", {"json": {"path": str(tmp_path)}}, 400, "path"),
+             ("PUT", "/admin/models/llama-a", {"json": {}}, 400, "path"),
+             ("PUT", "/admin/models/llama-a", {"json": {"path": good, "version": 3}}, 400, "version"),
+             ("PUT", "/admin/models/bad name!", {"json": {"path": good}}, 400, "name"),
              ("DELETE", "/admin/models/nope", {}, 404, "name"),
-             ("DELETE", "/admin/models/llama-a", {"params": {"drain_s": -1}}, 400, "drain_s")]
+             ("DELETE", "/admin/models/bad name!", {}, 400, "name"),
+             ("DELETE", "/admin/models/llama-a", {"params": {"drain_s": -1}}, 400, "drain_s"),
+             ("DELETE", "/admin/models/llama-a", {"params": {"drain_s": "soon"}}, 400, "drain_s"),
+             ("DELETE", "/admin/models/llama-a", {"params": {"drain_s": 4000}}, 400, "drain_s")]
     for method, path, kwargs, status, field in cases:
         r = httpx.request(method, url + path, timeout=60, **kwargs)
         assert r.status_code == status, (method, path, r.text)
         assert field in (r.json()["error"]["param"] or ""), r.text
+    # every admin operation that takes input (a body, a path or query parameter) has a case above
+    spec = httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
+    with_input = {(method.upper(), path) for path, ops in spec.items() if path.startswith("/admin/")
+                  for method, op in ops.items() if op.get("parameters") or op.get("requestBody")}
+    covered = {(method, "/admin/models/{name}" if path.count("/") > 2 else path) for method, path, *_ in cases}
+    assert with_input and with_input <= covered, with_input - covered
     after = httpx.get(f"{url}/admin/models", timeout=30).json()
     assert after["models"] == before["models"] and after["retiring"] == before["retiring"]
     assert _served(url) == ["llama-a", "qwen-b"]

@@ -1,7 +1,8 @@
 """The live catalog on a running cluster (session Ray, 4 virtual devices, tiny zoo models):
 add, update and remove while requests stream, through the edge's catalog client, with the
-memory freed on every worker, the catalog kept across a placement-service restart, and an
-add that loses a worker still ending with the model on every worker its plan names."""
+memory freed on every worker (RSS and KV pool back to before an add + remove), the catalog kept
+across a placement-service restart, and an add that loses a worker while it loads the model
+still ending with the model on every worker its plan names."""
 from __future__ import annotations
 
 import asyncio
@@ -189,21 +190,106 @@ def _placed(ray, topology) -> set[str]:
     return set(ray.get(topology.placement.models.remote(), timeout=30))
 
 
-def test_a_worker_killed_during_an_add_still_ends_with_the_model_everywhere_placed(cluster, ray_session, zoo_model):
+def worker_memory(topology) -> dict[str, tuple[float, float]]:
+    """Each live worker's RSS in MiB (after a collection in it) and the share of its KV pool in use."""
+    import ray
+
+    out = {}
+    for worker, handle in sorted(topology.workers.items()):
+        ray.get(handle.__ray_call__.remote(lambda self: __import__("gc").collect()), timeout=30)
+        stats = ray.get(handle.stats.remote(), timeout=30)
+        with open(f"/proc/{stats.pid}/status") as f:
+            rss_kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        out[worker] = (rss_kib / 1024, 1.0 - stats.engine.kv_free_frac)
+    return out
+
+
+def test_memory_returns_after_a_model_is_added_and_removed(cluster, zoo_model):
+    import ray
+
+    from cluster.catalog_store import CatalogStore
+
     topology, live = cluster
-    victim = sorted(topology.workers)[0]
-    added = []
-    adding = threading.Thread(target=lambda: added.append(live.add("survivor", str(zoo_model("mistral-tiny-b")))))
+    path = zoo_model("qwen2-tiny-a")
+
+    def add_serve_remove(rid: str) -> None:
+        live.add("roundtrip", str(path))
+        frames = asyncio.run(collect(edge(topology, CatalogStore()), "roundtrip", rid, 48))
+        assert tokens(frames) == reference(path, 48)
+        live.remove("roundtrip")
+
+    add_serve_remove("warm")   # the first cycle grows allocator pools and caches that stay: not measured
+    before = worker_memory(topology)
+    add_serve_remove("measured")
+    after = worker_memory(topology)
+    print("worker (RSS MiB, KV used) before -> after:", {w: (before[w], after[w]) for w in sorted(after)})
+    assert after.keys() == before.keys()
+    for worker, (rss, kv_used) in after.items():
+        assert abs(rss - before[worker][0]) <= 0.05 * before[worker][0], (worker, before[worker][0], rss)
+        assert kv_used <= before[worker][1], (worker, before[worker][1], kv_used)   # its KV blocks went back
+        stats = ray.get(topology.workers[worker].stats.remote(), timeout=30)
+        assert "roundtrip" not in stats.engine.registered and "roundtrip" not in stats.engine.resident
+    assert "roundtrip" not in live.catalog().placed()
+
+
+def hold_registration(worker, gate_dir: str, model: str) -> None:
+    """From now on, `worker` loading `model` (Engine.register_model, on its engine thread) first
+    writes gate_dir/held-<worker id>, then waits until gate_dir/release exists."""
+    import ray
+
+    def install(self, gate_dir: str, model: str) -> None:
+        import os
+        import time
+
+        register = self.engine.register_model
+
+        def held_register(name, path):
+            if name == model:
+                open(os.path.join(gate_dir, f"held-{self.worker_id}"), "w").close()
+                deadline = time.monotonic() + 120
+                while not os.path.exists(os.path.join(gate_dir, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return register(name, path)
+
+        self.engine.register_model = held_register
+
+    ray.get(worker.__ray_call__.remote(install, gate_dir, model), timeout=30)
+
+
+def test_a_worker_killed_while_it_loads_an_added_model_still_ends_with_the_model_everywhere_placed(
+        cluster, ray_session, zoo_model, tmp_path):
+    """Deterministic: every worker holds the add at the point it loads the model; the first one
+    the placement asks is killed there, then the hold is released."""
+    from cluster.catalog_store import CatalogStore
+
+    topology, live = cluster
+    path = zoo_model("mistral-tiny-b")
+    for handle in topology.workers.values():
+        hold_registration(handle, str(tmp_path), "survivor")
+    added, failed = [], []
+
+    def add() -> None:
+        try:
+            added.append(live.add("survivor", str(path)))
+        except Exception as exc:   # the assertion below names it
+            failed.append(exc)
+
+    adding = threading.Thread(target=add)
     adding.start()
+    wait_until(lambda: list(tmp_path.glob("held-*")), 60, what="a worker loading the added model")
+    victim = sorted(tmp_path.glob("held-*"))[0].name[len("held-"):]
     ray_session.kill(topology.workers[victim])
+    (tmp_path / "release").touch()
     adding.join(120)
-    assert added and added[0].key == "survivor"
+    assert not failed and added and added[0].key == "survivor", failed
 
     def everywhere_placed() -> bool:
         plan = ray_session.get(topology.router.plan.remote())
         placed = plan.workers_for("survivor") if plan else ()
-        return bool(placed) and set(placed) <= set(holders(topology, "survivor"))
+        return bool(placed) and victim not in placed and set(placed) <= set(holders(topology, "survivor"))
 
     wait_until(everywhere_placed, 90, interval_s=0.5, what="survivor registered on every worker its plan names")
+    frames = asyncio.run(collect(edge(topology, CatalogStore()), "survivor", "s1", 16))
+    assert tokens(frames) == reference(path, 16) and frames[-1].finish_reason == "length"
     wait_until(lambda: victim not in topology.workers and len(topology.workers) == 4, 90, interval_s=0.5,
                what="the killed worker replaced")

@@ -158,7 +158,7 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
     from load_tests.bench.cluster_bench import add_arguments as add_cluster_arguments   # stdlib at import
     from load_tests.bench.options import add_engine_arguments   # argparse only; the benchmark loads in _bench_engine
 
-    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate,sim,chaos,first-use}", required=True)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{engine,cluster,colocate,sim,chaos,first-use,catalog}", required=True)
     engine = sub.add_parser("engine", help="worker engine: swap-in vs memcpy and cold load, decode vs HF "
                                            "generate, scheduler overhead (prints a table, --json FILE)")
     add_engine_arguments(engine)
@@ -190,6 +190,12 @@ def _bench_parser(parser: argparse.ArgumentParser) -> None:
 
     add_first_use_arguments(first_use)
     first_use.set_defaults(run=_bench_first_use)
+    catalog = sub.add_parser("catalog", help="the live catalog changed under a bursty load (add, update, remove) "
+                                             "against the same load unchanged, in pairs (prints JSON, --json FILE)")
+    from load_tests.bench.catalog_bench import add_arguments as add_catalog_arguments   # stdlib at import
+
+    add_catalog_arguments(catalog)
+    catalog.set_defaults(run=_bench_catalog)
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -218,6 +224,12 @@ def _bench_chaos(args: argparse.Namespace) -> int:
 
 def _bench_first_use(args: argparse.Namespace) -> int:
     from load_tests.bench.first_use import run
+
+    return run(args)
+
+
+def _bench_catalog(args: argparse.Namespace) -> int:
+    from load_tests.bench.catalog_bench import run
 
     return run(args)
 
@@ -280,7 +292,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "status": ("workers, resident models, placement plan and queue depths of the running app", _status_parser),
     "models": ("the live catalog of the running app: add, update, remove or list models", _models_parser),
     "shutdown": ("delete the Serve app and every tokenmux actor (never `ray stop`)", _shutdown_parser),
-    "bench": ("benchmarks (engine, cluster, colocate, sim, chaos, first-use)", _bench_parser),
+    "bench": ("benchmarks (engine, cluster, colocate, sim, chaos, first-use, catalog)", _bench_parser),
     "metrics": ("Prometheus scrape config over Ray's service discovery; the metric names", _metrics_parser),
     "dashboard": ("build the Grafana dashboards, or push them to a Grafana", _dashboard_parser),
     "demo": ("the main job on the embedded default: local models, token-level multiplexing", _demo_parser),

@@ -248,7 +248,7 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
     t0 = time.monotonic()
     while True:
         status = cluster_status(APP)
-        inflight, hung = _inflight(status)
+        inflight, hung = inflight_now(status)
         if (inflight == 0 and not hung) or time.monotonic() - t0 > settle_s:
             break
         time.sleep(0.2)
@@ -266,7 +266,7 @@ def disconnects(url: str, n: int, rounds: int = 3, settle_s: float = 30.0) -> di
             "disconnect_settle_s": time.monotonic() - t0}
 
 
-def _inflight(status) -> tuple[int, list[str]]:
+def inflight_now(status) -> tuple[int, list[str]]:
     """Requests still counted (router pending + engines' queued and running), and the workers holding any."""
     hung = [w for w, s in status.alive().items() if sum(s.engine.running.values()) + sum(s.engine.queue_depth.values())]
     engines = sum(sum(s.engine.running.values()) + sum(s.engine.queue_depth.values()) for s in status.alive().values())
