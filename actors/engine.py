@@ -374,14 +374,19 @@ class Engine:
 
     def follow(self, step: TPStep) -> None:
         """A tensor-parallel member's share of its leader's step (see TPStep); the forward's
-        logits are the leader's too, and only the leader samples."""
+        logits are the leader's too, and only the leader samples. A decode forward is counted
+        in this device's rounds (the policy's `group_stepped`)."""
         m = self._model(step.model)
         start = self.clock()
         self.slots.ensure_resident(step.model)
         self._swap(step.swap_out, step.swap_in, step.model)
         if step.chunks:
+            forward_start = self.clock()
             m.runner.forward(self.slots.params(step.model), list(step.chunks), m.kv)
-            self.timeline.append(StepRecord(step.model, start, self.clock(), step.is_prefill))
+            end = self.clock()
+            self.timeline.append(StepRecord(step.model, start, end, step.is_prefill))
+            if not step.is_prefill and step.tbt_slo_s > 0 and end > forward_start:
+                self.policy.group_stepped(step.model, step.tbt_slo_s, end - forward_start, end)
 
     def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """One forward + sampling: (request id -> token, request id -> why it failed alone)."""
@@ -402,7 +407,8 @@ class Engine:
             chunks = [chunk(r) for r in requests]
             if m.members is None:
                 return m.runner.forward(params, chunks, m.kv)
-            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill))   # before ours
+            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill,   # before ours
+                                         tbt_slo_s=min(r.slo.tbt_s for r in requests)))
             logits = m.runner.forward(params, chunks, m.kv)
             m.members.wait(sent)
             return logits
