@@ -235,6 +235,20 @@ class DeviceWorker:
         """The worker ids of this worker's tensor-parallel group in rank order; () in none."""
         return self.tp_workers if self.tp_group is not None else ()
 
+    async def leave_tp_group(self) -> None:
+        """Leave this worker's tensor-parallel group (one of its workers is gone; placement forms
+        a new one): the requests of the models it leads wait here for the new group
+        (Engine.strand), and its parts of the group's models are unregistered."""
+        def leave() -> None:
+            for name in self.engine.tp_models():
+                self.engine.strand(name)
+                self.engine.unregister_model(name)
+            self.tp_group.close()
+
+        if self.tp_group is not None:
+            await self._on_engine(leave)
+        self.tp_group, self.tp_workers = None, ()
+
     async def tp_address(self) -> str:
         """A loopback address free now on this worker's node: the rendezvous of a group it leads."""
         return free_address()

@@ -3,6 +3,8 @@ chooses them; actors/tp_group.py and actors/tp_member.py run them).
 
     form_group(model, path, group, handles)
 
+0. a worker still in a group one of whose workers is gone (died, replaced) leaves it first:
+   the requests its leader holds wait there (Engine.strand) and go on at step 3;
 1. every worker of `group` (leader first) joins one TPGroup, rank = its place in `group`,
    at a loopback address free on the leader's node (a group never spans nodes); a worker
    already in exactly this group stays in it, so a second model on the same workers reuses it;
@@ -32,7 +34,10 @@ async def form_group(model: str, path: str, group: Sequence[str], handles: Mappi
     workers = [handles[w] for w in group]
     joined = await asyncio.gather(*(h.tp_group_workers.remote() for h in workers))
     if any(tuple(j) != group for j in joined):
-        others = [(w, tuple(j)) for w, j in zip(group, joined) if j]
+        # a group one of whose workers is gone is left (its leader's requests wait for the new one)
+        broken = [h for h, j in zip(workers, joined) if j and not set(j) <= set(handles)]
+        await asyncio.gather(*(h.leave_tp_group.remote() for h in broken))
+        others = [(w, tuple(j)) for w, j in zip(group, joined) if j and set(j) <= set(handles) and tuple(j) != group]
         if others:
             w, other = others[0]
             raise ValueError(f"worker {w} already belongs to tensor-parallel group {other}; "
