@@ -13,7 +13,9 @@ switch is a bulk copy into a slot, never a re-initialisation.
 A tensor-parallel model (actors/tensor_parallel.py) is registered with its group: this
 engine holds its rank's part. On the group's leader (rank 0) the policy schedules it like
 any model, and each step's KV copies and forwards go to the members first (`TPMembers`,
-actors/tp_member.py); a member's engine never schedules, it `follow`s them.
+actors/tp_member.py); a member's engine never schedules, it `follow`s them. When a member
+is gone, the leader's requests of the group wait with their output (`strand`) until the
+group is formed again and the model registered with it.
 """
 from __future__ import annotations
 
@@ -21,14 +23,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from actors.device_memory import DeviceMemory, format_bytes
 from actors.engine_metrics import EngineRecorder
-from actors.fault_isolation import describe, run_isolated
+from actors.fault_isolation import GroupLost, describe, run_isolated
 from actors.host_cache import HostWeightCache
 from actors.kernel_check import resolve_kernels
 from actors.kernel_path import KERNELS, KernelPath
@@ -144,6 +146,10 @@ class Engine:
         self.metrics = EngineRecorder()   # local counters; the worker's metrics thread exports them
         self._led: set[str] = set()       # tensor-parallel models whose group this engine leads
         self._tp_shapes: set = set()      # KV shapes of the tensor-parallel models here (dedicated slabs)
+        self._tp_models: set[str] = set()  # tensor-parallel models here (led or followed)
+        # requests of led models whose group lost a member: they wait here, with the output they
+        # have, until the group is formed again (`register_model` adopts them: prefix recomputed)
+        self._stranded: dict[str, dict[str, HandoffState | GenerateRequest]] = {}
 
     # -- models ---------------------------------------------------------------------------
 
@@ -190,14 +196,23 @@ class Engine:
                                         self.kv_pool.view(kv_shape, dtype), members)
         if members is not None:
             self._led.add(name)
+        if shard.size > 1:
+            self._tp_models.add(name)
         self.estimator.register_model(name, layout.total_bytes)
         self.policy.add_model(name, kv_shape, layout.total_bytes)
         logger.info("registered %s (%s, %s weights)", name, spec.architecture, format_bytes(layout.total_bytes))
+        for state in self._stranded.pop(name, {}).values():   # its group formed again: they go on
+            if isinstance(state, HandoffState):
+                self.adopt(state)
+            else:
+                self.add_request(state)
         return self.model_info(name)
 
     def _dedicate_kv(self, name: str, shape, kv_share: float) -> None:
         if not 0 < kv_share < 1:
             raise ValueError(f"kv_share must be in (0, 1), got {kv_share!r}")
+        if shape in self._tp_shapes:   # registered again (its group formed again): its slabs are still its own
+            return
         for blocks in (self.blocks, self.host_blocks):
             if blocks is not None:
                 blocks.dedicate(shape, max(1, int(blocks.num_slabs * kv_share)))
@@ -217,8 +232,27 @@ class Engine:
         self.slots.remove_model(name, evict_host)
         self.decode_step_s_by_model.pop(name, None)
         self._led.discard(name)
+        self._tp_models.discard(name)
         del self.models[name]
         logger.info("unregistered %s%s", name, " (host cache evicted)" if evict_host else "")
+
+    def tp_models(self) -> list[str]:
+        """The tensor-parallel models registered here (led or followed)."""
+        return sorted(self._tp_models)
+
+    def strand(self, name: str) -> int:
+        """`name`'s group lost a member: take its requests out of scheduling, each with the output
+        it has (its KV is gone with the group's), to go on once the group is formed again and
+        `name` registered with it (their streams stay open meanwhile; `abort` drops them).
+        Requests that arrive meanwhile wait with them. Returns how many wait."""
+        stranded = self._stranded.setdefault(name, {})
+        for request_id in [rid for rid, r in self.requests.items() if r.model == name]:
+            request, assembler = self.requests[request_id], self.outputs[request_id]
+            req = request.to_generate_request()
+            self.abort(request_id)
+            stranded[request_id] = req if not request.output_token_ids else HandoffState.continuing(
+                req, request.output_token_ids, request.token_times, assembler.num_sent_chars)
+        return len(stranded)
 
     def requests_of(self, name: str) -> list[str]:
         """Ids of the unfinished requests of model `name` here (held for a handoff included)."""
@@ -239,6 +273,9 @@ class Engine:
         first token also detaches it (as `detach` does), so it never decodes here while the
         handoff is decided, however fast the steps are; `detach` then returns it and
         `end_detach` frees it or lets it go on here."""
+        if req.model in self._stranded:   # its group is being formed again
+            self._stranded[req.model][req.request_id] = req
+            return
         request = self._new_request(req)
         self.policy.add_request(request)
         if hold_after_prefill:
@@ -274,6 +311,9 @@ class Engine:
         if request_id in self._held:   # detached, its handoff undecided: drop it with its blocks
             self.end_detach(request_id, handed_off=True)
             return True
+        for stranded in self._stranded.values():
+            if stranded.pop(request_id, None) is not None:
+                return True
         if request_id not in self.requests:
             return False
         self.policy.abort_request(request_id, status)
@@ -290,7 +330,17 @@ class Engine:
 
         A decode output may allow several steps of its batch (output.num_steps, see
         scheduler/policy.py): they run back to back, each forward + sample + update, until
-        one ends a request; then one emit makes each request's frame of the run."""
+        one ends a request; then one emit makes each request's frame of the run. A group this
+        engine leads that lost a member has its requests wait for it (`strand`)."""
+        try:
+            return self._step()
+        except GroupLost as exc:
+            logger.warning("%s: the requests of %s wait for the group to be formed again", exc, sorted(self._led))
+            for name in sorted(self._led):
+                self.strand(name)
+            return []
+
+    def _step(self) -> list[OutputFrame]:
         start = time.perf_counter()
         output = self.policy.schedule(self.clock())
         if output is None:
@@ -341,7 +391,7 @@ class Engine:
         """Weights of output.model in a slot, KV swaps done, next model prefetching; the same
         sent first to the members of each tensor-parallel model led here that has a part in it."""
         pending = []
-        for name in self._led:
+        for name in self._led - self._stranded.keys():   # a group that lost a member is sent nothing
             copies = self._copies_of(name, output)
             if name == output.model or any(copies):
                 members = self.models[name].members
@@ -374,14 +424,19 @@ class Engine:
 
     def follow(self, step: TPStep) -> None:
         """A tensor-parallel member's share of its leader's step (see TPStep); the forward's
-        logits are the leader's too, and only the leader samples."""
+        logits are the leader's too, and only the leader samples. A decode forward is counted
+        in this device's rounds (the policy's `group_stepped`)."""
         m = self._model(step.model)
         start = self.clock()
         self.slots.ensure_resident(step.model)
         self._swap(step.swap_out, step.swap_in, step.model)
         if step.chunks:
+            forward_start = self.clock()
             m.runner.forward(self.slots.params(step.model), list(step.chunks), m.kv)
-            self.timeline.append(StepRecord(step.model, start, self.clock(), step.is_prefill))
+            end = self.clock()
+            self.timeline.append(StepRecord(step.model, start, end, step.is_prefill))
+            if not step.is_prefill and step.tbt_slo_s > 0 and end > forward_start:
+                self.policy.group_stepped(step.model, step.tbt_slo_s, end - forward_start, end)
 
     def _run(self, output: SchedulerOutput) -> tuple[dict[str, int], dict[str, str]]:
         """One forward + sampling: (request id -> token, request id -> why it failed alone)."""
@@ -402,8 +457,13 @@ class Engine:
             chunks = [chunk(r) for r in requests]
             if m.members is None:
                 return m.runner.forward(params, chunks, m.kv)
-            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill))   # before ours
-            logits = m.runner.forward(params, chunks, m.kv)
+            sent = m.members.send(TPStep(m.name, chunks=tuple(chunks), is_prefill=output.is_prefill,   # before ours
+                                         tbt_slo_s=min(r.slo.tbt_s for r in requests)))
+            try:
+                logits = m.runner.forward(params, chunks, m.kv)
+            except Exception:
+                m.members.wait(sent)   # a member gone (GroupLost) is why a collective failed
+                raise
             m.members.wait(sent)
             return logits
 
@@ -518,6 +578,9 @@ class Engine:
         raised): it is queued to recompute prompt + output in one prefill; nothing is lost.
         Tokens already output are not emitted again; ValueError on bad input."""
         req, n = state.request, state.num_computed_tokens
+        if req.model in self._stranded:   # its group is being formed again
+            self._stranded[req.model][req.request_id] = replace(state, num_computed_tokens=0)
+            return False
         request = self._new_request(req)
         if not state.output_token_ids or not n < request.num_prompt_tokens + len(state.output_token_ids):
             self._forget(req.request_id)

@@ -22,6 +22,11 @@ from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
+
+class GroupLost(RuntimeError):
+    """A member of a tensor-parallel group is gone mid-step: the fault of no request, nor of
+    this device; the leader's requests of the group wait for it to be formed again (Engine.strand)."""
+
 Forward = Callable[[list[Request]], torch.Tensor]             # requests -> logits [B, vocab]
 Sample = Callable[[list[Request], torch.Tensor], list[int]]   # (requests, logits) -> B tokens
 
@@ -31,7 +36,7 @@ def run_isolated(forward: Forward, sample: Sample, requests: list[Request]
     try:
         logits = forward(requests)
     except Exception as exc:
-        if is_device_fault(exc):
+        if is_device_fault(exc) or isinstance(exc, GroupLost):
             raise
         return _one_by_one(forward, sample, requests, exc)
     return _sample(sample, requests, logits)
@@ -58,7 +63,7 @@ def _one_by_one(forward: Forward, sample: Sample, requests: list[Request], batch
         try:
             logits = forward([request])
         except Exception as exc:
-            if is_device_fault(exc):
+            if is_device_fault(exc) or isinstance(exc, GroupLost):
                 raise
             failed[request.request_id] = f"forward failed: {describe(exc)}"
             continue

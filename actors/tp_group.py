@@ -43,6 +43,7 @@ class TPStep:
     swap_in: tuple[KVCopy, ...] = ()
     chunks: tuple[SeqChunk, ...] = ()
     is_prefill: bool = False   # for the member's timeline
+    tbt_slo_s: float = 0.0     # the tightest TBT SLO of the forward's requests: a member's rounds count the group by it
 
 
 def backend_for(device: torch.device | str) -> str:

@@ -12,7 +12,9 @@ has the leader's geometry and the leader's block ids mean the same blocks there.
 from __future__ import annotations
 
 import ray
+from ray.exceptions import RayActorError
 
+from actors.fault_isolation import GroupLost
 from actors.tp_group import TPStep
 
 
@@ -29,5 +31,8 @@ class TPMembers:
         return [h.follow.remote(step) for h in self.handles]
 
     def wait(self, sent: list) -> None:
-        """Until every member has run its step (raises a member's error)."""
-        ray.get(sent)
+        """Until every member has run its step (raises a member's error; GroupLost when one is gone)."""
+        try:
+            ray.get(sent)
+        except RayActorError as exc:
+            raise GroupLost(f"a member of the tensor-parallel group is gone: {str(exc).splitlines()[0]}") from exc

@@ -35,7 +35,7 @@ from actors.handoff import HandoffRelay, KVHandoff
 from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.tensor_parallel import TPShard
-from actors.tp_group import TPGroup, TPStep
+from actors.tp_group import TPGroup, TPStep, free_address
 from actors.tp_member import TPMembers
 from actors.worker_metrics import WorkerMetrics
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
@@ -209,6 +209,7 @@ class DeviceWorker:
         self.relay = HandoffRelay(worker_id, self.engine_loop.call, self.get_router, self.handoff)
         self.metrics = WorkerMetrics(worker_id, self.engine, self.engine_loop, num_threads)   # off the hot path
         self.tp_group: TPGroup | None = None
+        self.tp_workers: tuple[str, ...] = ()   # the group's workers in rank order, as placement named them
         self.started = time.time()
         freeze_heap()   # torch, Ray, the KV pool: no collector pass walks them while streams wait (actors/heap.py)
 
@@ -221,12 +222,36 @@ class DeviceWorker:
         freeze_heap(collect=False)   # the model's long-lived state joins the frozen heap
         return registered
 
-    async def join_tp_group(self, shard: TPShard, address: str) -> None:
+    async def join_tp_group(self, shard: TPShard, address: str, workers: tuple[str, ...] = ()) -> None:
         """Make this device rank `shard.rank` of the tensor-parallel group at `address`; returns
-        once every rank has joined (they join at once)."""
+        once every rank has joined (they join at once). workers: the group's worker ids in rank
+        order (what `tp_group_workers` answers)."""
         if self.tp_group is not None:
             raise ValueError(f"worker {self.worker_id} already belongs to a tensor-parallel group")
         self.tp_group = await self._on_engine(TPGroup, shard, address, self.engine.device)
+        self.tp_workers = tuple(workers)
+
+    async def tp_group_workers(self) -> tuple[str, ...]:
+        """The worker ids of this worker's tensor-parallel group in rank order; () in none."""
+        return self.tp_workers if self.tp_group is not None else ()
+
+    async def leave_tp_group(self) -> None:
+        """Leave this worker's tensor-parallel group (one of its workers is gone; placement forms
+        a new one): the requests of the models it leads wait here for the new group
+        (Engine.strand), and its parts of the group's models are unregistered."""
+        def leave() -> None:
+            for name in self.engine.tp_models():
+                self.engine.strand(name)
+                self.engine.unregister_model(name)
+            self.tp_group.close()
+
+        if self.tp_group is not None:
+            await self._on_engine(leave)
+        self.tp_group, self.tp_workers = None, ()
+
+    async def tp_address(self) -> str:
+        """A loopback address free now on this worker's node: the rendezvous of a group it leads."""
+        return free_address()
 
     async def register_tp_model(self, name: str, path: str, members: list | None = None,
                                 kv_share: float = 0.5) -> RegisteredModel:

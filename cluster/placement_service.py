@@ -11,7 +11,8 @@ a worker without the model:
      (`routable_now`: each model on the workers that hold it already), so a burst reaches
      those replicas without waiting for the others to load the model;
   1. register_model on workers that gain a model (a failed registration drops that
-     worker from the model's list in the plan);
+     worker from the model's list in the plan); a tensor-parallel model's group is formed
+     and the model registered on all its workers at once (cluster/tp_formation.py);
   2. set_role on workers whose role changes;
   3. push the PlacementPlan to the router (routing follows it from here on);
   4. unregister_model where a model left a worker, once no request of it is in flight
@@ -32,6 +33,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.control_metrics import PlacementMetrics
+from cluster.tp_formation import form_group
 from scheduler.messages import PLACEMENT_NAME, ROUTER_NAME, WorkerView
 from cluster.status import LoadReport
 from scheduler.placement import (ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy, plan_changes,
@@ -184,13 +186,20 @@ class PlacementService:
     # ---- applying a plan ---------------------------------------------------------------
 
     async def _register(self, plan: PlacementPlan, views: list[WorkerView], handles: dict) -> PlacementPlan:
-        todo = [(w, m) for w, m in plan_changes(plan, views).register if w in handles]
+        """Register each model where the plan adds it: a single-device model on each worker, a
+        tensor-parallel model on its whole group at once (cluster/tp_formation.py)."""
+        register = plan_changes(plan, views).register
+        todo = [(w, m) for w, m in register if w in handles and not plan.group_of(m)]
+        groups = sorted({m for _, m in register if plan.group_of(m)})
         results = await asyncio.gather(
-            *(handles[w].register_model.remote(m, self._paths[m]) for w, m in todo), return_exceptions=True)
+            *(handles[w].register_model.remote(m, self._paths[m]) for w, m in todo),
+            *(form_group(m, self._paths[m], plan.group_of(m), handles) for m in groups), return_exceptions=True)
+        outcomes = list(zip(todo, results)) + [((w, m), result) for m, result in zip(groups, results[len(todo):])
+                                               for w in plan.group_of(m)]
         failed = {}
-        for (w, m), result in zip(todo, results):
+        for (w, m), result in outcomes:
             if isinstance(result, BaseException):
-                logger.warning("placement: register_model(%s) on %s failed: %s", m, w, result)
+                logger.warning("placement: registering %s on %s failed: %s", m, w, result)
                 failed[(w, m)] = str(result).splitlines()[0] if str(result) else type(result).__name__
         return without_failed(plan, failed)
 

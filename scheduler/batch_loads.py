@@ -46,6 +46,12 @@ class BatchLoads:
         return BatchLoad(model, min(r.slo.tbt_s for r in batch), step, p.estimator.predict_switch(model),
                          min(deadlines.slack(r, now, per_token) for r in batch), lost=lost, aged=aged)
 
+    def group_loads(self, now: float) -> list[BatchLoad]:
+        """The tensor-parallel groups this device follows, as batches of its round that it
+        does not schedule (scheduler/group_turns.py)."""
+        p = self.policy
+        return p.groups.loads(now, p.estimator.predict_switch)
+
     def waiting_load(self, model: str, now: float, requests: Sequence[Request]) -> BatchLoad:
         """`model`'s batch were its waiting `requests` prefilled to start it this round."""
         return replace(self.load(model, now, extra=requests), waiting=True,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import scheduler.deadlines as deadlines
 from scheduler.estimator import StepLatencyEstimator
+from scheduler.group_turns import GroupTurns
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
 from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
 from scheduler.request import Request, RequestStatus
@@ -142,6 +143,7 @@ class SchedulingPolicy(ABC):
         self.resident: set[str] = set()  # models whose weights are on the device (engine's hint)
         self.num_preemptions = 0
         self.last_alpha: float | None = None  # quota rule's alpha of the latest round (policies that use it)
+        self.groups = GroupTurns()  # tensor-parallel groups this device follows (their leader decides their turns)
         self._order: dict[str, int] = {}  # request id -> admission number (ties in arrival time)
         self._next_order = 0
         self._deferred_host_frees: list[tuple[KVShape, list[int]]] = []
@@ -167,6 +169,12 @@ class SchedulingPolicy(ABC):
             raise ValueError(f"model {name!r} still has {live} unfinished requests; abort them first")
         del self.models[name], self.waiting[name], self.running[name]
         self.resident.discard(name)
+        self.groups.forget(name)
+
+    def group_stepped(self, model: str, tbt_slo_s: float, step_s: float, now: float) -> None:
+        """A decode step of a tensor-parallel group this device follows ran here (counted in the
+        rounds of a policy that plans them: scheduler/group_turns.py)."""
+        self.groups.stepped(model, tbt_slo_s, step_s, now)
 
     def set_resident(self, models) -> None:
         """The engine's hint after each step: models whose weights are on the device now."""

@@ -12,6 +12,10 @@ largest set of batches that fits, least slack first, and holds the rest; waiting
 models not decoding compete for it too, and those it takes are `reserved` (prefilled first,
 their batches decoding from the next round).
 
+A tensor-parallel group this device follows (a member's: its leader decides the group's
+turns) is one more batch of each round (scheduler/group_turns.py): counted in alpha, the
+quotas and T0, never in the turn order nor held.
+
 TTFT slack (scheduler/ttft_slack.py): a switch away from the running batches is due once a
 waiting group would otherwise miss its TTFT, given what the device runs before the policy
 can act again (this round T0, a multi-step run) and a round with the group's batch in it
@@ -26,7 +30,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from scheduler.batch_loads import BatchLoads
-from scheduler.overload import BatchLoad, RoundPlan, plan_round, select_round
+from scheduler.overload import BatchLoad, RoundPlan, RoundRule, plan_round, select_round
 from scheduler.ttft_slack import PendingGroup, due_groups, planned_deadline
 
 if TYPE_CHECKING:
@@ -112,7 +116,8 @@ class RoundPlanner:
         if not models:
             self._order, self.held = deque(), ()
             return None
-        loads = [loads_of.load(m, now) for m in models]
+        followed = loads_of.group_loads(now)   # a group this device follows takes its share of the round
+        loads = [loads_of.load(m, now) for m in models] + followed
         rule = loads_of.rule()
         everyone = plan_round(loads, rule)
         self.alpha_all = everyone.alpha
@@ -132,17 +137,19 @@ class RoundPlanner:
         else:
             self.candidates, self.guard_s = tuple(loads), 0.0
             plan = everyone
+        plan = _with_followed(plan, followed, self.candidates, rule)
         if plan.held:
             self.num_held_rounds += 1
         self.held = tuple(m for m in plan.held if m in models)
         served = [m for m in models if m in plan.models]
         if self._reserved and served:   # quotas of the batches decoding now; reserved ones start next round
-            plan = plan_round([b for b in loads if b.model in served], rule)
+            plan = plan_round([b for b in loads if b.model in served] + followed, rule)
         # a batch just started goes first, then the one whose decode turn was longest ago:
         # round-robin while every batch is served; a batch that just had its turn waits for the
         # others, and one that just had its first token (prefill) does not wait a whole round
         self._order = deque(sorted(served, key=self._turn_key))
-        self._quotas = dict(zip(plan.models, plan.quota.quotas_s))
+        self._quotas = {m: q for m, q in zip(plan.models, plan.quota.quotas_s)
+                        if m not in {b.model for b in followed}}
         self.decode_s = plan.decode_s
         self._due = None
         self.alpha = plan.alpha
@@ -217,6 +224,18 @@ class RoundPlanner:
         before its TTFT deadline, since a round may pass before each of its turns."""
         first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
         size = self.policy.config.max_prefill_group
-        loads = [self.loads.load(m, now) for m in self.loads.decoding_models()]
+        loads = [self.loads.load(m, now) for m in self.loads.decoding_models()] + self.loads.group_loads(now)
         loads.append(self.loads.load(first, now, extra=list(self.policy.waiting[first])[:size]))
         return plan_round(loads, self.loads.rule()).decode_s
+
+
+def _with_followed(plan: RoundPlan, followed: list[BatchLoad], candidates: tuple[BatchLoad, ...],
+                   rule: RoundRule) -> RoundPlan:
+    """`plan` with every followed group in it: a round may not hold them (their leader decides
+    their turns), so one overload control held is counted in its round all the same."""
+    names = {b.model for b in followed}
+    if not names & set(plan.held):
+        return plan
+    served = [b for b in candidates if b.model in plan.models or b.model in names]
+    again = plan_round(served, rule)
+    return RoundPlan(again.models, tuple(m for m in plan.held if m not in names), again.quota, again.decode_s)
