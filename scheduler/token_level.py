@@ -60,10 +60,11 @@ class TokenLevelPolicy(SchedulingPolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.overhead = StepOverhead()
-        self.loads = BatchLoads(self, self.overhead)
-        self.planner = RoundPlanner(self, self.loads)
-        self.prefill = PrefillBudget(self, self.loads, self.planner)
-        self.turns = (SmoothStreams(self, self.loads, self.overhead, self.planner)
+        view = self.view()
+        self.loads = BatchLoads(view, self.overhead)
+        self.planner = RoundPlanner(view, self.loads)
+        self.prefill = PrefillBudget(view, self.loads, self.planner)
+        self.turns = (SmoothStreams(view, self.loads, self.overhead, self.planner)
                       if self.config.smooth_streams else WholeTurns())
         self._turn: _Turn | None = None
         self._group: tuple[str, list[str]] | None = None  # (model, request ids) being prefilled
