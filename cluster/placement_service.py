@@ -47,7 +47,7 @@ def model_entry(name: str, source: Any) -> tuple[str, ModelInfo]:
         if not path:
             raise ValueError(f"model {name!r}: entry needs a 'path'")
         if "weight_bytes" in source:
-            return str(path), ModelInfo.of(source)
+            return str(path), ModelInfo.from_dict(source)
     else:
         path = source
     from actors.model_spec import ModelSpec   # reads headers only, no torch
