@@ -29,9 +29,9 @@ from actors.handoff import HandoffRelay, KVHandoff
 from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.worker_metrics import WorkerMetrics
+from actors.worker_reports import StepRecord, WorkerHealth, WorkerTelemetry
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
-                                OutputFrame, RegisteredModel, StepRecord, WorkerHealth, WorkerStats,
-                                WorkerTelemetry)
+                                OutputFrame, RegisteredModel, WorkerStats)
 
 logger = logging.getLogger(__name__)
 
