@@ -18,6 +18,7 @@ sliver, 0.96 with the TBT floor; 6 seeds each).
 from __future__ import annotations
 
 import math
+
 from scheduler.batch_loads import BatchLoads
 from scheduler.kv_blocks import BLOCK_SIZE
 from scheduler.overload import admits

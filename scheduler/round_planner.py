@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, plan_round, select_round
 from scheduler.policy_view import PolicyView
