@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from scheduler.messages import DeviceReading
+from actors.worker_reports import DeviceReading
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,9 @@ from actors.weight_layout import WeightLayout
 from actors.weight_slots import WeightSlots
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.kv_blocks import BlockManager, blocks_for_tokens
+from actors.worker_reports import StepRecord
 from scheduler.messages import (FINISH_ERROR, EngineStats, GenerateRequest, HandoffState, OutputFrame,
-                                RegisteredModel, StepRecord)
+                                RegisteredModel)
 from scheduler.policy import SchedulerConfig, SchedulingPolicy
 from scheduler.policy_registry import check_policy_name, make_policy
 from scheduler.request import Request, RequestStatus

@@ -38,9 +38,9 @@ from actors.tensor_parallel import TPShard
 from actors.tp_group import TPGroup, TPStep, free_address
 from actors.tp_member import TPMembers
 from actors.worker_metrics import WorkerMetrics
+from actors.worker_reports import StepRecord, WorkerHealth, WorkerTelemetry
 from scheduler.messages import (ROLES, ROUTER_NAME, GenerateRequest, HandoffAck, HandoffState,
-                                OutputFrame, RegisteredModel, StepRecord, WorkerHealth, WorkerStats,
-                                WorkerTelemetry)
+                                OutputFrame, RegisteredModel, WorkerStats)
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ latest), so no value is lost, and the ~800 Ray calls of a flush (8 models x 5 hi
 their buckets) are not made ten times for one export. The engine thread never makes a Ray
 metrics call; per token it appends one float to a list.
 
-`summary()` is a WorkerTelemetry (scheduler/messages.py): running totals for `tokenmux status
+`summary()` is a WorkerTelemetry (actors/worker_reports.py): running totals for `tokenmux status
 --watch` (tokens and swaps so far, alpha, KV usage, the latest device reading), so the live
 view needs no Prometheus.
 """
@@ -23,7 +23,7 @@ from actors.device_telemetry import device_sampler, export_reading
 from actors.engine_metrics import export_sample
 from actors.metrics import MetricsExporter
 from actors.periodic import PeriodicThread
-from scheduler.messages import WorkerTelemetry
+from actors.worker_reports import WorkerTelemetry
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ def model_entry(name: str, source: Any, tensor_parallel: int = 1) -> tuple[str, 
             raise ValueError(f"model {name!r}: entry needs a 'path'")
         tensor_parallel = check_tensor_parallel(source.get("tensor_parallel", tensor_parallel), model=name)
         if "weight_bytes" in source:
-            return str(path), ModelInfo.of({**source, "tensor_parallel": tensor_parallel})
+            return str(path), ModelInfo.from_dict({**source, "tensor_parallel": tensor_parallel})
     else:
         path = source
     from actors.model_spec import ModelSpec   # reads headers only, no torch

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from scheduler.messages import WorkerHealth
+from actors.worker_reports import WorkerHealth
 from cluster.status import WorkerReplacement
 
 logger = logging.getLogger(__name__)

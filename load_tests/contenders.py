@@ -39,7 +39,8 @@ from typing import AsyncIterator, Sequence
 
 from cluster.planner.metrics import RequestRecord, Turn
 from load_tests.driver import Prompt, Target, TargetError
-from scheduler.messages import GenerateRequest, OutputFrame, StepRecord
+from actors.worker_reports import StepRecord
+from scheduler.messages import GenerateRequest, OutputFrame
 from scheduler.policy_registry import POLICY_NAMES
 from scheduler.sampling_params import SamplingParams
 from scheduler.slo import SLO

@@ -55,7 +55,8 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
 
     from actors.engine import Engine, EngineConfig
     from actors.model_spec import ModelSpec
-    from scheduler.messages import GenerateRequest, StepRecord
+    from actors.worker_reports import StepRecord
+    from scheduler.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams
 
     for label, values in (("inputs", inputs), ("batches", batches)):

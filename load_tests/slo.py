@@ -78,7 +78,8 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     import torch
 
     from actors.engine import Engine, EngineConfig
-    from scheduler.messages import GenerateRequest, StepRecord
+    from actors.worker_reports import StepRecord
+    from scheduler.messages import GenerateRequest
     from scheduler.sampling_params import SamplingParams
 
     for name, v in (("prompt_len", prompt_len), ("batch_size", batch_size),

@@ -142,12 +142,12 @@ def priority(batch: BatchLoad, guard_s: float = 0.0) -> float:
     return -math.inf if batch.slack_s < guard_s else batch.slack_s
 
 
-def select_round(batches: Sequence[BatchLoad], rule: RoundRule, admit_alpha: float = 1.0,
+def select_round(batches: Sequence[BatchLoad], rule: RoundRule, admission_alpha: float = 1.0,
                  guard_s: float = 0.0) -> RoundPlan:
     """The largest set of batches whose round fits (alpha <= 1), filled in `priority` order.
 
     Batches are tried in order; each one joins if the round still fits with it, else it is
-    held (a waiting batch, not started yet, joins only with `admit_alpha` to spare). The
+    held (a waiting batch, not started yet, joins only with `admission_alpha` to spare). The
     first batch is always served, even when it cannot meet its SLO alone (then nothing
     could, and holding it would only stall the device)."""
     if not batches:
@@ -156,7 +156,7 @@ def select_round(batches: Sequence[BatchLoad], rule: RoundRule, admit_alpha: flo
     chosen = _RoundSums(rule, order[0])
     held = []
     for batch in order[1:]:
-        if chosen.alpha_with(batch) <= (admit_alpha if batch.waiting else 1.0):
+        if chosen.alpha_with(batch) <= (admission_alpha if batch.waiting else 1.0):
             chosen.add(batch)
         else:
             held.append(batch.model)

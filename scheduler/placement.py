@@ -90,17 +90,11 @@ class ModelInfo:
         return device_share(self.weight_bytes, self.tensor_parallel)
 
     @classmethod
-    def of(cls, value: Any) -> "ModelInfo":
-        """Accepts a ModelInfo, weight bytes, (weight_bytes, kv_bytes_per_token) or a dict."""
-        if isinstance(value, ModelInfo):
-            return value
-        if isinstance(value, Mapping):
-            return cls(int(value["weight_bytes"]), int(value.get("kv_bytes_per_token", 0)),
-                       *(float(value.get(k, 0.0)) for k in _COST_KEYS),
-                       tensor_parallel=int(value.get("tensor_parallel", 1)))
-        if isinstance(value, (tuple, list)):
-            return cls(*(int(v) for v in value))
-        return cls(int(value))
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelInfo":
+        """The JSON form `PlacementPlan.to_dict` writes, and a catalog entry's: weight_bytes,
+        and optionally kv_bytes_per_token, the step costs and tensor_parallel."""
+        return cls(int(d["weight_bytes"]), int(d.get("kv_bytes_per_token", 0)),
+                   *(float(d.get(k, 0.0)) for k in _COST_KEYS), tensor_parallel=int(d.get("tensor_parallel", 1)))
 
 
 _COST_KEYS = ("decode_step_s", "decode_step_per_request_s", "prefill_s")
@@ -115,14 +109,6 @@ class ModelLoad:
     def __post_init__(self) -> None:
         if self.rate_rps < 0 or self.queued < 0 or self.running < 0:
             raise ValueError(f"load figures must be >= 0, got {self!r}")
-
-    @classmethod
-    def of(cls, value: Any) -> "ModelLoad":
-        if isinstance(value, ModelLoad):
-            return value
-        if isinstance(value, Mapping):
-            return cls(float(value.get("rate_rps", 0.0)), int(value.get("queued", 0)), int(value.get("running", 0)))
-        return cls(queued=int(value))  # a bare number: requests in flight
 
 
 def observed_load(queued: Mapping[str, int], running: Mapping[str, int], tracker: Any,
@@ -234,7 +220,7 @@ class PlacementPlan:
         return cls(
             assignments={m: tuple(ws) for m, ws in d.get("assignments", {}).items()},
             roles=dict(d.get("roles", {})),
-            models={m: ModelInfo.of(i) for m, i in d.get("models", {}).items()},
+            models={m: ModelInfo.from_dict(i) for m, i in d.get("models", {}).items()},
             slos={m: SLO(**s) for m, s in d.get("slos", {}).items()},
             demand=dict(d.get("demand", {})),
             unplaceable=dict(d.get("unplaceable", {})),
@@ -307,16 +293,15 @@ class PlacementPolicy:
         self._version = 0
         self._held: dict[str, tuple[float, float, float]] = {}   # model -> (demand, rate, when), decaying
 
-    def plan(self, workers: Iterable[Any], models: Mapping[str, Any],
-             load: Mapping[str, Any] | None = None, slos: Mapping[str, SLO] | None = None,
+    def plan(self, workers: Iterable[Any], models: Mapping[str, ModelInfo],
+             load: Mapping[str, ModelLoad] | None = None, slos: Mapping[str, SLO] | None = None,
              now: float = 0.0) -> PlacementPlan:
         """`workers`: WorkerView-like (worker_id, node_id, slot_bytes, alive, host_cached)."""
         cfg = self.config
         live = sorted((w for w in workers if getattr(w, "alive", True)), key=lambda w: w.worker_id)
         if len({w.worker_id for w in live}) != len(live):
             raise ValueError("worker ids must be unique")
-        infos = {m: ModelInfo.of(v) for m, v in models.items()}
-        loads = {m: ModelLoad.of(v) for m, v in (load or {}).items()}
+        infos, loads = dict(models), dict(load or {})
         demand, rates = self._held_demand(infos, loads, now)
         largest = max((w.slot_bytes for w in live), default=0)
         cached_on_node: dict[str, set[str]] = collections.defaultdict(set)

@@ -39,82 +39,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 
-import scheduler.deadlines as deadlines
 from scheduler.estimator import StepLatencyEstimator
 from scheduler.group_turns import GroupTurns
 from scheduler.kv_blocks import BLOCK_SIZE, BlockManager, KVShape, blocks_for_tokens
-from scheduler.quota import QUOTA_MAX_S, QUOTA_SWITCH_FACTOR
+from scheduler.policy_view import PolicyView
 from scheduler.request import Request, RequestStatus
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_output import KVCopy, SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_prefill_group: int = 8  # requests of one model prefilled as a group (amortises a switch)
-    max_prefill_tokens: int = 8192  # token budget of one prefill step (one request may exceed it)
-    max_batch_size: int = 256  # requests in one decode step
-    quota_max_s: float = QUOTA_MAX_S  # Q_max of the quota rule
-    min_quota_steps: int = 4  # decode steps per turn when switches are free (all resident)
-    quota_switch_factor: float | None = QUOTA_SWITCH_FACTOR  # cap quotas at this x the round's switch cost (None: Q_max only)
-    overload_control: bool = True  # alpha > 1: serve the batches that fit, hold the rest (token-level)
-    # token-level: a switch to a model with no decode batch waits while every waiting request can
-    # still make its TTFT (scheduler/ttft_slack.py); False: the quota rule alone (an ablation)
-    ttft_slack: bool = True
-    # what the SLO promises of a stream's tokens after its first (scheduler/deadlines.py):
-    # "mean_tpot" (goodput: mean TPOT from the first token) or "per_token" (Aegaeon's deadlines,
-    # arrival + TTFT + k x TBT; the planner's strict measure). Token-level plans by it.
-    slo_measure: str = "mean_tpot"
-    # split a prompt whose prefill exceeds a round's prefill budget while streams decode (token-level)
-    chunked_prefill: bool = True
-    # token-level, all resident, room to spare (alpha <= 0.5): quotas run in slices round-robin
-    # and prefill is spread between them (smoother streams; TTFT and throughput pay for it)
-    smooth_streams: bool = False
-    # overload control admits new requests while the next round's alpha <= this. None: by the
-    # measure, 0.9 under mean TPOT (headroom for a misestimated round, which no stream has slack
-    # to absorb) and 1.0 under per-token deadlines (a stream's first token banks a reserve of its
-    # TTFT, scheduler/ttft_slack.py, which is that headroom)
-    admit_alpha: float | None = None
-    max_decode_steps: int = 8  # decode steps the engine may run back to back per schedule call (1: one)
-    # all resident: turns (up to max_decode_steps) long enough that a turn's fixed engine cost
-    # is at most this share of it (None: min_quota_steps; see scheduler/quota.py)
-    turn_overhead_frac: float | None = 0.02
-
-    def __post_init__(self) -> None:
-        for name in ("max_prefill_group", "max_prefill_tokens", "max_batch_size", "min_quota_steps",
-                     "max_decode_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
-        if not self.quota_max_s > 0:
-            raise ValueError(f"SchedulerConfig.quota_max_s must be > 0, got {self.quota_max_s!r}")
-        if self.admit_alpha is not None and not 0 < self.admit_alpha <= 1:
-            raise ValueError(f"SchedulerConfig.admit_alpha must be in (0, 1] or None, got {self.admit_alpha!r}")
-        for name in ("overload_control", "ttft_slack", "chunked_prefill", "smooth_streams"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SchedulerConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.slo_measure not in deadlines.MEASURES:
-            raise ValueError(f"SchedulerConfig.slo_measure must be one of {', '.join(deadlines.MEASURES)}, "
-                             f"got {self.slo_measure!r}")
-        if self.turn_overhead_frac is not None and not 0 < self.turn_overhead_frac < 1:
-            raise ValueError(f"SchedulerConfig.turn_overhead_frac must be in (0, 1) or None, "
-                             f"got {self.turn_overhead_frac!r}")
-        if self.quota_switch_factor is not None and not self.quota_switch_factor > 0:
-            raise ValueError(f"SchedulerConfig.quota_switch_factor must be > 0 or None, "
-                             f"got {self.quota_switch_factor!r}")
-
-    @property
-    def per_token(self) -> bool:
-        """Does the SLO promise per-token deadlines (arrival + TTFT + k x TBT), not mean TPOT?"""
-        return self.slo_measure == "per_token"
-
-    @property
-    def admission_alpha(self) -> float:
-        """The alpha a round may reach with a new batch admitted (admit_alpha, or by the measure)."""
-        if self.admit_alpha is not None:
-            return self.admit_alpha
-        return 1.0 if self.per_token else 0.9
 
 
 @dataclass(frozen=True)
@@ -178,7 +111,10 @@ class SchedulingPolicy(ABC):
 
     def set_resident(self, models) -> None:
         """The engine's hint after each step: models whose weights are on the device now."""
-        self.resident = set(models)
+        # in place: the token-level parts read this set through their PolicyView
+        models = set(models)
+        self.resident.clear()
+        self.resident.update(models)
 
     def add_request(self, request: Request) -> None:
         self._check_new(request)
@@ -247,6 +183,11 @@ class SchedulingPolicy(ABC):
             raise ValueError(f"request {request.request_id!r} cannot be reattached ({request.status.name})")
         self._register(request)
         self._insert_running(request)
+
+    def view(self) -> PolicyView:
+        """A read-only view of this policy's tables, config and estimator, for its parts."""
+        return PolicyView(self.models, self.waiting, self.running, self.requests, self.resident,
+                          self.estimator, self.config, self.groups)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -18,21 +18,18 @@ sliver, 0.96 with the TBT floor; 6 seeds each).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from scheduler.batch_loads import BatchLoads
 from scheduler.kv_blocks import BLOCK_SIZE
 from scheduler.overload import admits
+from scheduler.policy_view import PolicyView
 from scheduler.request import Request
 from scheduler.round_planner import RoundPlanner
 
-if TYPE_CHECKING:
-    from scheduler.policy import SchedulingPolicy
-
 
 class PrefillBudget:
-    def __init__(self, policy: SchedulingPolicy, loads: BatchLoads, planner: RoundPlanner) -> None:
-        self.policy = policy
+    def __init__(self, view: PolicyView, loads: BatchLoads, planner: RoundPlanner) -> None:
+        self.view = view
         self.loads = loads
         self.planner = planner
         self.credit_s = 0.0  # prefill time the rounds can take now
@@ -57,7 +54,7 @@ class PrefillBudget:
 
     def admissible(self, model: str, now: float) -> list[str]:
         """The longest run of `model`'s waiting requests (oldest first) the next round can take."""
-        p, loads = self.policy, self.loads
+        p, loads = self.view, self.loads
         held = self.planner.held
         decoding = [m for m in p.models if m != model and loads.decoding(m) and m not in held]
         if not decoding and not loads.decoding(model) and not held:
@@ -75,7 +72,7 @@ class PrefillBudget:
             # group: a group of 8 long prompts in one prefill stalled every stream 30-120 ms
             if not admits(others + [batch], rule, prefill_s, self.credit_s,
                           first_prefill=not chosen and self.credit_s >= self.cap_s,
-                          max_alpha=p.config.admission_alpha):
+                          max_alpha=p.admission_alpha):
                 break
             chosen = trial
         return [r.request_id for r in chosen]
@@ -84,7 +81,7 @@ class PrefillBudget:
         """The longest prefix of a reserved group (the round took it in) whose prefill fits the
         credit; its first request always goes. The rest wait queued and join their model's
         turn as the decode steps earn credit."""
-        p = self.policy
+        p = self.view
         requests = [p.requests[rid] for rid in ids]
         n, tokens = 1, requests[0].num_new_tokens
         while n < len(requests):
@@ -101,7 +98,7 @@ class PrefillBudget:
         a strategy's cap: smooth streams' rotation of slices), else the tokens that do (at
         least a block). None as well when nothing decodes (nobody to keep on time) or with
         chunked prefill off."""
-        p = self.policy
+        p = self.view
         held = self.planner.held
         decoding = [m for m in p.models if self.loads.decoding(m) and m not in held]
         if not p.config.chunked_prefill or not decoding:

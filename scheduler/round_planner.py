@@ -27,21 +27,18 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, plan_round, select_round
+from scheduler.policy_view import PolicyView
 from scheduler.ttft_slack import PendingGroup, due_groups, planned_deadline
-
-if TYPE_CHECKING:
-    from scheduler.policy import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class RoundPlanner:
-    def __init__(self, policy: SchedulingPolicy, loads: BatchLoads) -> None:
-        self.policy = policy
+    def __init__(self, view: PolicyView, loads: BatchLoads) -> None:
+        self.view = view
         self.loads = loads
         self._order: deque[str] = deque()  # batches still to take a turn in this round
         self._quotas: dict[str, float] = {}
@@ -109,7 +106,7 @@ class RoundPlanner:
         """Start a new round: choose its batches (all of them unless overloaded), order them
         (batches just started, then by their latest decode turn, longest ago first) and give
         each its quota. None: nothing decodes."""
-        p, loads_of = self.policy, self.loads
+        p, loads_of = self.view, self.loads
         names = list(p.models)
         models = [m for m in names if loads_of.decoding(m)]
         self._reserved = {}
@@ -132,7 +129,7 @@ class RoundPlanner:
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
             guard = 2 * everyone.decode_s
             self.candidates, self.guard_s = tuple(loads + prospective), guard
-            plan = select_round(loads + prospective, rule, p.config.admission_alpha, guard)
+            plan = select_round(loads + prospective, rule, p.admission_alpha, guard)
             self._reserved = {m: [r.request_id for r in groups[m]] for m in plan.models if m in groups}
         else:
             self.candidates, self.guard_s = tuple(loads), 0.0
@@ -163,7 +160,7 @@ class RoundPlanner:
         for model in self._order:
             if model != current and self.loads.decoding(model):
                 return model
-        others = [m for m in self.policy.models if m != current and self.loads.decoding(m)]
+        others = [m for m in self.view.models if m != current and self.loads.decoding(m)]
         return min(others, key=self._turn_key) if others else None
 
     def _turn_key(self, model: str) -> tuple[int, int]:
@@ -188,7 +185,7 @@ class RoundPlanner:
         start now for every group to meet its TTFT (ttft_slack.due_groups); the rest wait."""
         if self._due is not None and self._due[0] == now:
             return self._due[1]
-        p, config = self.policy, self.policy.config
+        p, config = self.view, self.view.config
         decoding = self.loads.decoding_models()
         waiting = frozenset(m for m, q in p.waiting.items() if q and m not in decoding)
         due = waiting
@@ -202,7 +199,7 @@ class RoundPlanner:
 
     def pending_groups(self, decoding: set[str]) -> list[PendingGroup]:
         """The waiting requests of models not decoding, in the groups they would be prefilled in."""
-        p = self.policy
+        p = self.view
         size = p.config.max_prefill_group
         per_token = p.config.per_token
         groups = []
@@ -223,9 +220,9 @@ class RoundPlanner:
         its tokens' deadlines (arrival + TTFT + k x TBT) hold only if it starts that much
         before its TTFT deadline, since a round may pass before each of its turns."""
         first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
-        size = self.policy.config.max_prefill_group
+        size = self.view.config.max_prefill_group
         loads = [self.loads.load(m, now) for m in self.loads.decoding_models()] + self.loads.group_loads(now)
-        loads.append(self.loads.load(first, now, extra=list(self.policy.waiting[first])[:size]))
+        loads.append(self.loads.load(first, now, extra=list(self.view.waiting[first])[:size]))
         return plan_round(loads, self.loads.rule()).decode_s
 
 

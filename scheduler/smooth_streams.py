@@ -24,11 +24,11 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 from scheduler.batch_loads import BatchLoads
+from scheduler.policy_view import PolicyView
 from scheduler.round_planner import RoundPlanner
 from scheduler.step_overhead import StepOverhead
 
 if TYPE_CHECKING:
-    from scheduler.policy import SchedulingPolicy
     from scheduler.scheduler_output import SchedulerOutput
 
 SMOOTH_ALPHA = 0.5  # rounds up to this alpha run in slices and spread prefill
@@ -56,9 +56,9 @@ class WholeTurns:
 
 
 class SmoothStreams(WholeTurns):
-    def __init__(self, policy: SchedulingPolicy, loads: BatchLoads, overhead: StepOverhead,
+    def __init__(self, view: PolicyView, loads: BatchLoads, overhead: StepOverhead,
                  planner: RoundPlanner) -> None:
-        self.policy = policy
+        self.view = view
         self.loads = loads
         self.overhead = overhead
         self.planner = planner
@@ -77,8 +77,8 @@ class SmoothStreams(WholeTurns):
         # capacity, and under overload, the round's batches are chosen by their slack
         # (overload.py), judged over whole turns and whole prefills
         self._left = {}
-        self._spread = (set(order) <= self.policy.resident and alpha <= SMOOTH_ALPHA and not held
-                        and self.policy.config.turn_overhead_frac is not None)
+        self._spread = (set(order) <= self.view.resident and alpha <= SMOOTH_ALPHA and not held
+                        and self.view.config.turn_overhead_frac is not None)
         self._free_round = self._spread and len(order) > 1
         self.rotation_s = sum(self._slice_s(m, quotas[m]) for m in order) if self._spread else math.inf
         self._owed = self._owed & set(order) if self._spread else set()
@@ -117,5 +117,5 @@ class SmoothStreams(WholeTurns):
         step = self.loads.predict_decode(model)
         if not step > 0:
             return quota
-        steps = max(1, int(self.overhead.turn_cost_s / self.policy.config.turn_overhead_frac / step))
+        steps = max(1, int(self.overhead.turn_cost_s / self.view.config.turn_overhead_frac / step))
         return quota if quota - steps * step < step / 2 else steps * step

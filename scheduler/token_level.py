@@ -6,6 +6,7 @@ The policy composes small objects and runs the turn:
                                     (quota.py, overload.py), and when a switch is due (ttft_slack.py)
   PrefillBudget (prefill_budget.py) how much prefill the round takes: admission and chunks
   WholeTurns / SmoothStreams (smooth_streams.py)   how quotas become turns
+  choice_order (turn_choice.py)     what is tried next: the prefill group or the decode turn
   BatchLoads, StepOverhead          what the next round would see of each batch; measured overhead
 
 Prefill: per-model queues, grouped FCFS. At a turn boundary, if requests wait, the model
@@ -45,6 +46,7 @@ from scheduler.round_planner import RoundPlanner
 from scheduler.scheduler_output import SchedulerOutput, StepResult
 from scheduler.smooth_streams import SmoothStreams, WholeTurns
 from scheduler.step_overhead import StepOverhead
+from scheduler.turn_choice import Choice, choice_order
 
 _EPS = 1e-9  # seconds: float noise must not cost a turn its last step
 
@@ -60,15 +62,19 @@ class TokenLevelPolicy(SchedulingPolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.overhead = StepOverhead()
-        self.loads = BatchLoads(self, self.overhead)
-        self.planner = RoundPlanner(self, self.loads)
-        self.prefill = PrefillBudget(self, self.loads, self.planner)
-        self.turns = (SmoothStreams(self, self.loads, self.overhead, self.planner)
+        view = self.view()
+        self.loads = BatchLoads(view, self.overhead)
+        self.planner = RoundPlanner(view, self.loads)
+        self.prefill = PrefillBudget(view, self.loads, self.planner)
+        self.turns = (SmoothStreams(view, self.loads, self.overhead, self.planner)
                       if self.config.smooth_streams else WholeTurns())
         self._turn: _Turn | None = None
         self._group: tuple[str, list[str]] | None = None  # (model, request ids) being prefilled
         self._chunked = False  # the latest output was a chunk of a split prefill
         self._ran_all = False  # the previous output ran all its steps
+        self._try: dict[Choice, Callable[[float], SchedulerOutput | None]] = {
+            Choice.CONTINUE_GROUP: self._continue_group, Choice.CONTINUE_TURN: self._continue_turn,
+            Choice.START_GROUP: self._start_group, Choice.START_TURN: self._start_turn}
 
     @property
     def quotas(self) -> dict[str, float]:
@@ -79,8 +85,8 @@ class TokenLevelPolicy(SchedulingPolicy):
         self._ran_all = self.overhead.observe(now)
         self.planner.forget_due()
         output = None
-        for choice in self._choices():
-            output = choice(now)
+        for choice in choice_order(after_chunk=self._chunked, decode_owed=self.turns.decode_first):
+            output = self._try[choice](now)
             if output is not None:
                 break
         self._chunked = output is not None and bool(output.partial)
@@ -93,18 +99,6 @@ class TokenLevelPolicy(SchedulingPolicy):
             output.prefetch_model = self._expected_next(output.model, now)
             self.overhead.scheduled(now, not output.is_prefill, output.num_steps)
         return output
-
-    def _choices(self) -> tuple[Callable[[float], SchedulerOutput | None], ...]:
-        """What may run next, tried in this order (the first that has a step wins):
-
-        after a chunk of a split prefill, or when the turn strategy owes decode first:
-          1. the current decode turn, 2. the next turn of the round, 3. the current prefill
-          group, 4. the next group;
-        otherwise the prefill group in progress finishes first, then turns go on:
-          1. the current group, 2. the current turn, 3. the next group, 4. the next turn."""
-        if self._chunked or self.turns.decode_first:
-            return self._continue_turn, self._start_turn, self._continue_group, self._start_group
-        return self._continue_group, self._continue_turn, self._start_group, self._start_turn
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
         spent = result.step_time_s + result.switch_time_s

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from actors.device_telemetry import NvmlSampler, ProcessSampler, device_sampler, export_reading
-from scheduler.messages import DeviceReading
+from actors.worker_reports import DeviceReading
 from tests.test_engine_metrics import RecordingExporter
 
 

@@ -187,9 +187,9 @@ arrival = st.tuples(st.floats(0, 0.5), st.sampled_from("abcdef"), st.integers(1,
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrivals=st.lists(arrival, min_size=1, max_size=30), admit_alpha=st.sampled_from([0.7, 0.9, 1.0]))
-def test_overload_control_finishes_everything_holds_only_what_does_not_fit_and_never_starves(arrivals, admit_alpha):
-    policy = _policy(SchedulerConfig(admit_alpha=admit_alpha, max_prefill_tokens=64))
+@given(arrivals=st.lists(arrival, min_size=1, max_size=30), admission_alpha=st.sampled_from([0.7, 0.9, 1.0]))
+def test_overload_control_finishes_everything_holds_only_what_does_not_fit_and_never_starves(arrivals, admission_alpha):
+    policy = _policy(SchedulerConfig(admission_alpha=admission_alpha, max_prefill_tokens=64))
     reqs = [(t, _req(f"r{i}", m, t, max_tokens=n, prompt=p, tbt=tbt)) for i, (t, m, p, n, tbt) in enumerate(arrivals)]
     engine, rounds = _drive(policy, reqs)
     # every admitted request finished, with all its tokens, and every block came back

@@ -193,14 +193,15 @@ def test_a_model_gets_a_replica_only_when_its_own_demand_needs_one():
 
 def test_cost_fields_round_trip_and_unknown_costs_use_measured_step_times():
     info = ModelInfo(GB, 4096, decode_step_s=0.01, decode_step_per_request_s=0.001, prefill_s=0.05)
-    assert ModelInfo.of({"weight_bytes": GB, "kv_bytes_per_token": 4096, "decode_step_s": 0.01,
-                         "decode_step_per_request_s": 0.001, "prefill_s": 0.05}) == info
+    assert ModelInfo.from_dict({"weight_bytes": GB, "kv_bytes_per_token": 4096, "decode_step_s": 0.01,
+                                "decode_step_per_request_s": 0.001, "prefill_s": 0.05}) == info
     # Unknown costs: the workers' measured step time. At 0.06 s a step against a 0.1 s TBT,
     # two always-busy models cannot share a worker; at the 0.02 s default they can.
     slow = [WorkerView(worker_id=f"w{i}", node_id="n", slot_bytes=2 * GB, num_slots=2, step_time_s=0.06)
             for i in range(2)]
     fast = [WorkerView(worker_id=f"w{i}", node_id="n", slot_bytes=2 * GB, num_slots=2) for i in range(2)]
-    models, load, slos = {"a": GB, "b": GB, "c": GB}, {m: 20 for m in "abc"}, {m: SLO(10.0, 0.1) for m in "abc"}
+    models = {m: ModelInfo(GB) for m in "abc"}
+    load, slos = {m: ModelLoad(queued=20) for m in "abc"}, {m: SLO(10.0, 0.1) for m in "abc"}
     cfg = PlacementConfig(scale_out_load=100, scale_in_load=10, **NO_SPLIT)
     assert max(len(PlacementPolicy(cfg).plan(fast, models, load, slos).models_for(w)) for w in ("w0", "w1")) == 2
     plan = PlacementPolicy(cfg).plan(slow, models, load, slos)

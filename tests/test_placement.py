@@ -13,12 +13,20 @@ GB = 1 << 30
 NO_SPLIT = dict(split_load=1e9, merge_load=1e8)
 
 
+def sized(**weight_bytes: int) -> dict[str, ModelInfo]:
+    return {m: ModelInfo(b) for m, b in weight_bytes.items()}
+
+
+def in_flight(**queued: int) -> dict[str, ModelLoad]:
+    return {m: ModelLoad(queued=n) for m, n in queued.items()}
+
+
 def workers(n, slot=4 * GB, nodes=1, **kw):
     return [WorkerView(worker_id=f"w{i}", node_id=f"n{i % nodes}", slot_bytes=slot, **kw) for i in range(n)]
 
 
 def test_cold_models_get_one_worker_each_and_are_spread():
-    plan = PlacementPolicy().plan(workers(3), {"a": GB, "b": GB, "c": GB})
+    plan = PlacementPolicy().plan(workers(3), sized(a=GB, b=GB, c=GB))
     assert all(len(plan.workers_for(m)) == 1 for m in "abc")
     assert {plan.workers_for(m)[0] for m in "abc"} == {"w0", "w1", "w2"}
     assert set(plan.roles.values()) == {"mixed"}
@@ -29,13 +37,13 @@ def test_model_never_on_a_worker_whose_slot_cannot_hold_it():
           WorkerView(worker_id="big", node_id="n0", slot_bytes=8 * GB)]
     policy = PlacementPolicy(PlacementConfig(**NO_SPLIT))
     for _ in range(5):
-        plan = policy.plan(ws, {"huge": 6 * GB, "tiny": GB // 2}, {"huge": 100, "tiny": 100})
+        plan = policy.plan(ws, sized(huge=6 * GB, tiny=GB // 2), in_flight(huge=100, tiny=100))
     assert plan.workers_for("huge") == ("big",)
     assert set(plan.workers_for("tiny")) == {"small", "big"}
 
 
 def test_model_too_big_for_every_slot_is_unplaceable_with_reason():
-    plan = PlacementPolicy().plan(workers(2, slot=GB), {"huge": 2 * GB, "ok": GB})
+    plan = PlacementPolicy().plan(workers(2, slot=GB), sized(huge=2 * GB, ok=GB))
     assert "huge" not in plan.assignments and "largest slot" in plan.unplaceable["huge"]
     with pytest.raises(NoWorkerError, match="ok"):
         RoutingPolicy().pick("huge", workers(2, slot=GB), SLO(), plan)
@@ -44,21 +52,21 @@ def test_model_too_big_for_every_slot_is_unplaceable_with_reason():
 def test_dead_workers_hold_nothing():
     ws = workers(2)
     ws[0] = WorkerView(worker_id="w0", node_id="n0", slot_bytes=4 * GB, alive=False)
-    plan = PlacementPolicy().plan(ws, {"a": GB, "b": GB})
+    plan = PlacementPolicy().plan(ws, sized(a=GB, b=GB))
     assert plan.models_for("w0") == [] and plan.models_for("w1") == ["a", "b"]
     assert "w0" not in plan.roles
-    assert PlacementPolicy().plan([ws[0]], {"a": GB}).unplaceable == {"a": "no live workers"}
+    assert PlacementPolicy().plan([ws[0]], sized(a=GB)).unplaceable == {"a": "no live workers"}
 
 
 def test_hot_model_scales_out_at_once_and_shrinks_back_one_per_cooldown():
     cfg = PlacementConfig(scale_out_load=8, scale_in_load=3, cooldown_s=10, **NO_SPLIT)
     policy = PlacementPolicy(cfg)
-    ws, models = workers(4), {"hot": GB, "cold": GB}
-    sizes = [len(policy.plan(ws, models, {"hot": 30}, now=t).workers_for("hot")) for t in range(5)]
+    ws, models = workers(4), sized(hot=GB, cold=GB)
+    sizes = [len(policy.plan(ws, models, in_flight(hot=30), now=t).workers_for("hot")) for t in range(5)]
     assert sizes == [4, 4, 4, 4, 4]   # 30 in flight need 4 replicas of <= 8: all of them in the first plan
-    assert policy.plan(ws, models, {"hot": 30}, now=5).workers_for("cold")   # still served
+    assert policy.plan(ws, models, in_flight(hot=30), now=5).workers_for("cold")   # still served
     # Burst over: nothing changes before the cooldown, then one step down per cooldown.
-    sizes = [len(policy.plan(ws, models, {"hot": 0}, now=t).workers_for("hot")) for t in range(10, 60, 2)]
+    sizes = [len(policy.plan(ws, models, in_flight(hot=0), now=t).workers_for("hot")) for t in range(10, 60, 2)]
     assert sizes[:5] == [4] * 5
     assert sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)
 
@@ -68,11 +76,11 @@ def test_load_between_thresholds_does_not_flap():
     policy = PlacementPolicy(cfg)
     ws = workers(4)
     for t in range(3):
-        policy.plan(ws, {"a": GB}, {"a": 20}, now=t)
-    before = policy.plan(ws, {"a": GB}, {"a": 20}, now=3)
+        policy.plan(ws, sized(a=GB), in_flight(a=20), now=t)
+    before = policy.plan(ws, sized(a=GB), in_flight(a=20), now=3)
     assert len(before.workers_for("a")) == 3
     for t in range(4, 60):   # oscillates between 10 and 14 in flight: inside the dead band
-        plan = policy.plan(ws, {"a": GB}, {"a": 10 + 4 * (t % 2)}, now=t)
+        plan = policy.plan(ws, sized(a=GB), in_flight(a=10 + 4 * (t % 2)), now=t)
         assert plan.workers_for("a") == before.workers_for("a")
     assert plan.version == before.version
 
@@ -80,8 +88,8 @@ def test_load_between_thresholds_does_not_flap():
 def test_assignments_are_sticky_when_other_load_moves():
     policy = PlacementPolicy(PlacementConfig(**NO_SPLIT))
     ws = workers(3)
-    first = policy.plan(ws, {"a": GB, "b": GB, "c": GB}, {"a": 1})
-    later = policy.plan(ws, {"a": GB, "b": GB, "c": GB}, {"b": 5, "c": 7})
+    first = policy.plan(ws, sized(a=GB, b=GB, c=GB), in_flight(a=1))
+    later = policy.plan(ws, sized(a=GB, b=GB, c=GB), in_flight(b=5, c=7))
     assert all(first.workers_for(m) == later.workers_for(m) for m in "abc")
 
 
@@ -90,42 +98,43 @@ def test_new_replica_prefers_a_node_whose_host_cache_has_the_model():
           WorkerView(worker_id="w1", node_id="n0", slot_bytes=4 * GB),
           WorkerView(worker_id="w2", node_id="n1", slot_bytes=4 * GB, host_cached=frozenset({"a"}))]
     policy = PlacementPolicy(PlacementConfig(**NO_SPLIT))
-    plan = policy.plan(ws, {"a": GB}, {"a": 0})
+    plan = policy.plan(ws, sized(a=GB), in_flight(a=0))
     assert plan.workers_for("a") == ("w2",)
 
 
 def test_roles_split_under_load_and_merge_back_after_cooldown():
     cfg = PlacementConfig(split_load=16, merge_load=6, cooldown_s=10)
     policy = PlacementPolicy(cfg)
-    ws, models = workers(4, nodes=2), {"a": GB, "b": GB}
-    plan = policy.plan(ws, models, {"a": 2, "b": 1}, now=0)
+    ws, models = workers(4, nodes=2), sized(a=GB, b=GB)
+    plan = policy.plan(ws, models, in_flight(a=2, b=1), now=0)
     assert set(plan.roles.values()) == {"mixed"} and not plan.split
-    plan = policy.plan(ws, models, {"a": 12, "b": 8}, now=1)
+    plan = policy.plan(ws, models, in_flight(a=12, b=8), now=1)
     assert plan.split and sorted(plan.roles.values()) == ["decode", "decode", "prefill", "prefill"]
     for node in ("n0", "n1"):   # each node has both kinds, so KV handoff can stay on the node
         assert {plan.roles[w.worker_id] for w in ws if w.node_id == node} == {"prefill", "decode"}
     for m in models:            # every model can prefill and decode
         assert {plan.roles[w] for w in plan.workers_for(m)} == {"prefill", "decode"}
-    assert policy.plan(ws, models, {"a": 3}, now=2).split         # low, but cooling down
-    assert policy.plan(ws, models, {"a": 10}, now=5).split        # between thresholds: stays
-    assert policy.plan(ws, models, {"a": 3}, now=6).split
-    assert not policy.plan(ws, models, {"a": 3}, now=17).split    # low for a full cooldown
+    assert policy.plan(ws, models, in_flight(a=3), now=2).split         # low, but cooling down
+    assert policy.plan(ws, models, in_flight(a=10), now=5).split        # between thresholds: stays
+    assert policy.plan(ws, models, in_flight(a=3), now=6).split
+    assert not policy.plan(ws, models, in_flight(a=3), now=17).split    # low for a full cooldown
 
 
 def test_a_single_worker_never_splits():
-    plan = PlacementPolicy(PlacementConfig(split_load=1, merge_load=0)).plan(workers(1), {"a": GB}, {"a": 100})
+    plan = PlacementPolicy(PlacementConfig(split_load=1, merge_load=0)).plan(
+        workers(1), sized(a=GB), in_flight(a=100))
     assert plan.roles == {"w0": "mixed"}
 
 
 def test_rate_counts_as_demand_by_littles_law():
     cfg = PlacementConfig(request_s=4.0, scale_out_load=8, **NO_SPLIT)
     policy = PlacementPolicy(cfg)
-    plan = policy.plan(workers(3), {"a": GB}, {"a": ModelLoad(rate_rps=5.0)})
+    plan = policy.plan(workers(3), sized(a=GB), {"a": ModelLoad(rate_rps=5.0)})
     assert plan.demand["a"] == pytest.approx(20.0) and len(plan.workers_for("a")) == 3   # <= 8 each
 
 
 def test_plan_round_trips_through_a_dict():
-    plan = PlacementPolicy().plan(workers(2), {"a": (GB, 4096), "b": GB}, {"a": 3},
+    plan = PlacementPolicy().plan(workers(2), {"a": ModelInfo(GB, 4096), "b": ModelInfo(GB)}, in_flight(a=3),
                                   slos={"a": SLO(ttft_s=2, tbt_s=0.1)})
     d = plan.to_dict()
     assert d["models"]["a"] == {"weight_bytes": GB, "kv_bytes_per_token": 4096}
@@ -146,11 +155,11 @@ def test_config_rejects_bad_values(kw, match):
 
 def test_bad_model_and_load_figures_are_rejected():
     with pytest.raises(ValueError, match="weight_bytes"):
-        PlacementPolicy().plan(workers(1), {"a": 0})
+        PlacementPolicy().plan(workers(1), sized(a=0))
     with pytest.raises(ValueError, match="load figures"):
-        PlacementPolicy().plan(workers(1), {"a": GB}, {"a": ModelLoad(rate_rps=-1)})
+        PlacementPolicy().plan(workers(1), sized(a=GB), {"a": ModelLoad(rate_rps=-1)})
     with pytest.raises(ValueError, match="unique"):
-        PlacementPolicy().plan(workers(1) * 2, {"a": GB})
+        PlacementPolicy().plan(workers(1) * 2, sized(a=GB))
 
 
 @settings(max_examples=150, deadline=None)
@@ -167,7 +176,7 @@ def test_property_plans_fit_and_serve_every_placeable_model(slots, nodes, models
     policy = PlacementPolicy(PlacementConfig(cooldown_s=cooldown, split_load=40, merge_load=10))
     slot_of = {w.worker_id: w.slot_bytes for w in ws}
     for t, load in enumerate(loads):
-        plan = policy.plan(ws, info, {m: n for m, n in load.items() if m in info}, now=float(t))
+        plan = policy.plan(ws, info, {m: ModelLoad(queued=n) for m, n in load.items() if m in info}, now=float(t))
         assert set(plan.roles) == set(slot_of)
         for m, ids in plan.assignments.items():
             assert ids and len(set(ids)) == len(ids)

@@ -83,7 +83,7 @@ def test_the_serve_configs_set_the_quota_rule(name):
 
 # SchedulerConfig fields a deployment does not set (ablations and engine-internal knobs); a
 # new SchedulerConfig field must land in SchedulerArgs or here, so the two cannot drift apart
-NOT_DEPLOYABLE = {"overload_control", "ttft_slack", "admit_alpha", "max_decode_steps"}
+NOT_DEPLOYABLE = {"overload_control", "ttft_slack", "max_decode_steps"}
 
 
 def test_scheduler_args_keep_in_step_with_scheduler_config():

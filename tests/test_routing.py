@@ -5,7 +5,7 @@ import collections
 
 import pytest
 
-from scheduler.placement import ModelInfo, PlacementConfig, PlacementPlan, PlacementPolicy
+from scheduler.placement import ModelInfo, ModelLoad, PlacementConfig, PlacementPlan, PlacementPolicy
 from scheduler.messages import EngineStats, WorkerStats
 from scheduler.routing import LoadTracker, NoWorkerError, RoutingConfig, RoutingPolicy, WorkerView
 from scheduler.slo import SLO
@@ -202,14 +202,14 @@ def test_router_and_placement_together_scale_a_burst_out_and_back_in():
                                                 split_load=1000, merge_load=999))
     tracker = LoadTracker()
     workers = [view(f"w{i}", registered=()) for i in range(4)]
-    models = {"a": GB, "b": GB}
+    models = {"a": ModelInfo(GB), "b": ModelInfo(GB)}
     now = 0.0
     plan = placement.plan(workers, models, {}, now=now)
     assert len(plan.workers_for("a")) == 1
     for _ in range(40):   # the burst: requests arrive and do not finish yet
         views = [view(w.worker_id, load=tracker.inflight(w.worker_id)) for w in workers]
         tracker.dispatched(policy.pick("a", views, SLO(), plan), "a", now)
-        plan = placement.plan(workers, models, tracker.pending(), now=now)
+        plan = placement.plan(workers, models, {m: ModelLoad(queued=n) for m, n in tracker.pending().items()}, now=now)
         now += 0.1
     assert len(plan.workers_for("a")) == 4
     busy = {w for w in plan.workers_for("a") if tracker.inflight(w)}
@@ -218,6 +218,6 @@ def test_router_and_placement_together_scale_a_burst_out_and_back_in():
         while tracker.released(w, "a"):
             pass
     for _ in range(40):
-        plan = placement.plan(workers, models, tracker.pending(), now=now)
+        plan = placement.plan(workers, models, {m: ModelLoad(queued=n) for m, n in tracker.pending().items()}, now=now)
         now += 1.0
     assert len(plan.workers_for("a")) == 1

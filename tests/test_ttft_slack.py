@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import SchedulerConfig
+from scheduler.scheduler_config import admission_alpha
 from scheduler.ttft_slack import SAFETY, PendingGroup, due_groups, latest_start, switch_due
 from test_overload import STEP, _policy, _req
 from test_scheduler import FakeEngine
@@ -162,7 +163,9 @@ def test_under_per_token_deadlines_a_first_token_leaves_half_its_ttft_to_its_str
 def test_admission_keeps_alpha_headroom_only_where_streams_bank_no_reserve():
     """Overload control admits a new batch while the next round's alpha <= admission_alpha:
     headroom under mean TPOT, none under per-token deadlines (the TTFT reserve is the headroom);
-    an explicit admit_alpha wins."""
-    assert SchedulerConfig().admission_alpha == 0.9
-    assert SchedulerConfig(slo_measure="per_token").admission_alpha == 1.0
-    assert SchedulerConfig(slo_measure="per_token", admit_alpha=0.8).admission_alpha == 0.8
+    an explicit admission_alpha wins."""
+    assert admission_alpha(SchedulerConfig()) == 0.9
+    assert admission_alpha(SchedulerConfig(slo_measure="per_token")) == 1.0
+    assert admission_alpha(SchedulerConfig(slo_measure="per_token", admission_alpha=0.8)) == 0.8
+    with pytest.raises(ValueError, match="admission_alpha"):
+        SchedulerConfig(admission_alpha=1.5)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.messages import WorkerTelemetry
+    from actors.worker_reports import WorkerTelemetry
     from cluster.status import ClusterStatus
 
 RATES = ("generation_tokens", "swaps", "switches")   # totals shown per second

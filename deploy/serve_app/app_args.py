@@ -72,6 +72,9 @@ class SchedulerArgs(BaseModel):
         None, description="what the SLO promises of a stream's tokens after its first: mean_tpot (goodput, "
         "the default) or per_token (every token k by arrival + TTFT + k x TBT, Aegaeon's); the token-level "
         "policy plans by it")
+    admission_alpha: float | None = Field(None, gt=0, le=1, description="overload control admits a new "
+                                          "batch while the next round's alpha stays <= this (null: 0.9 under "
+                                          "mean_tpot, 1.0 under per_token)")
     smooth_streams: bool | None = Field(None, description="with every model resident and room to spare, run "
                                         "turns in slices round-robin and spread prefill between them: smoother "
                                         "streams, at the price of TTFT and throughput")
