@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.placement import ModelInfo, PlacementPlan, PlacementPolicy, routable_now
+from scheduler.placement import ModelInfo, ModelLoad, PlacementPlan, PlacementPolicy, routable_now
 from scheduler.routing import NoWorkerError, RoutingPolicy, WorkerView
 from scheduler.tp_groups import check_fits_device, check_tensor_parallel, min_tensor_parallel
 
@@ -71,7 +71,7 @@ def test_the_refusal_names_the_smallest_degree_that_fits():
 
 def test_a_tp2_model_gets_two_workers_of_one_node_and_routes_to_its_leader():
     ws = workers(4, slot=4 * GB, nodes=2)
-    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(7 * GB, tensor_parallel=2), "a": 2 * GB})
+    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(7 * GB, tensor_parallel=2), "a": ModelInfo(2 * GB)})
     group = plan.group_of("big")
     assert len(set(group)) == 2 and len({w.node_id for w in ws if w.worker_id in group}) == 1
     assert plan.workers_for("big") == group[:1]
@@ -89,14 +89,14 @@ def test_a_group_is_never_split_across_nodes():
 
 
 def test_a_model_too_big_for_one_slot_says_tensor_parallel():
-    plan = PlacementPolicy().plan(workers(2), {"big": 6 * GB})
+    plan = PlacementPolicy().plan(workers(2), {"big": ModelInfo(6 * GB)})
     assert "tensor_parallel" in plan.unplaceable["big"]
 
 
 def test_single_device_models_share_the_groups_devices():
     """Two workers, a TP-2 model on both, and two small models: all four are served there."""
     ws = workers(2)
-    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": GB, "b": GB})
+    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": ModelInfo(GB), "b": ModelInfo(GB)})
     assert set(plan.group_of("big")) == {"w0", "w1"}
     assert not plan.unplaceable and plan.workers_for("a") and plan.workers_for("b")
 
@@ -115,7 +115,7 @@ def test_a_group_stays_put_while_its_members_live_and_moves_when_one_dies():
 
 def test_a_dead_member_takes_its_group_out_of_routing():
     ws = workers(2)
-    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": GB})
+    plan = PlacementPolicy().plan(ws, {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": ModelInfo(GB)})
     member = plan.group_of("big")[1]
     ws = [WorkerView(worker_id=w.worker_id, node_id=w.node_id, slot_bytes=w.slot_bytes,
                      alive=w.worker_id != member) for w in ws]
@@ -134,7 +134,7 @@ def test_property_groups_are_distinct_workers_of_one_node_within_each_slot(nodes
     node_of = {w.worker_id: w.node_id for w in ws}
     slot_of = {w.worker_id: w.slot_bytes for w in ws}
     infos = {f"m{i}": ModelInfo(size * GB, tensor_parallel=tp) for i, (size, tp) in enumerate(models)}
-    load = {m: d for m, d in zip(infos, demand)}
+    load = {m: ModelLoad(queued=d) for m, d in zip(infos, demand)}
     policy = PlacementPolicy()
     for _ in range(2):   # a replan too (sticky groups)
         plan = policy.plan(ws, infos, load)
@@ -181,7 +181,7 @@ def test_a_group_is_routable_only_once_every_member_has_registered_the_model():
 def test_a_member_whose_registration_failed_takes_its_group_out_of_the_plan():
     from cluster.placement_service import without_failed
 
-    plan = PlacementPolicy().plan(workers(3), {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": GB})
+    plan = PlacementPolicy().plan(workers(3), {"big": ModelInfo(6 * GB, tensor_parallel=2), "a": ModelInfo(GB)})
     leader, member = plan.group_of("big")
     applied = without_failed(plan, {(member, "big"): "out of host memory"})
     assert not applied.workers_for("big") and not applied.group_of("big")
