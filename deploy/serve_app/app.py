@@ -81,7 +81,10 @@ class TokenmuxCluster:
         self._topology = None
         self._models = await asyncio.to_thread(resolve_model_sources, self.args.models)
         check_local_sources(self._models)   # one line naming path and cause, before any worker starts
-        check_model_fits(self.args, self._models)
+        try:   # `tokenmux serve` refuses this up front; a deployed app serves the rest and says why
+            check_model_fits(self.args, self._models)
+        except ValueError as e:
+            logger.warning("%s; placement lists it as unplaceable until then", e)
         config = topology_config(self.args, self._models)
         await asyncio.to_thread(_kill_stale_topology)
         self._topology = await asyncio.to_thread(bring_up, config)
