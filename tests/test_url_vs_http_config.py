@@ -42,3 +42,12 @@ def test_config_is_the_via_http_app(tmp_path, capsys):
 def test_slo_must_be_given(capsys):
     with pytest.raises(ValueError, match="--slo-ttft"):
         main(FLAGS[:-4])
+
+
+def test_served_models_order_the_app(tmp_path, capsys):
+    main([*FLAGS, "--served-models", "llama-tiny-a-02,llama-tiny-a-00,llama-tiny-a-01"])
+    path = tmp_path / "serve.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert list(load_config_args(str(path))["models"]) == ["llama-tiny-a-02", "llama-tiny-a-00", "llama-tiny-a-01"]
+    with pytest.raises(ValueError, match="--served-models"):
+        main([*FLAGS, "--served-models", "llama-tiny-a-00,other"])

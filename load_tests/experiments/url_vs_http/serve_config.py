@@ -10,7 +10,8 @@ Issue 42's floor compares `tokenmux loadtest --url` against a running `tokenmux 
 starts. This prints that app's args (load_tests/contenders.py ServeContender.app_args, over the
 models and engine budget load_tests/run_setup.py derives from the same loadtest flags) as a
 `serve deploy` config. The SLO is given, not measured: the app schedules by it, so both runs
-must be given the same one.
+must be given the same one. --served-models orders the models as the --via http run deployed
+them (most popular first, its JSON's deployment.models), and the --url run is given the same.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def serve_config(args: argparse.Namespace, policy: str, port: int) -> dict:
     if args.slo_ttft is None or args.slo_tbt is None:
         raise ValueError("give --slo-ttft and --slo-tbt: the app schedules by its SLO, so both runs need the same")
     models = served_models(args.models, args.checkpoint)
+    if args.served_models:   # the order --via http deployed them in (its JSON's deployment.models)
+        if sorted(args.served_models) != sorted(models):
+            raise ValueError(f"--served-models must order the models {sorted(models)}, got {args.served_models}")
+        models = {m: models[m] for m in args.served_models}
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
     deployment = Deployment(models, args.workers, engine_config(models, args), threads,
                             SLO(args.slo_ttft, args.slo_tbt))
