@@ -416,12 +416,11 @@ class Engine:
         for copies, to_host in ((swap_out, True), (swap_in, False)):
             for copy in copies:
                 m = self.models[model or self.requests[copy.request_id].model]
-                shape = _kv_shape(m.spec, m.dtype)
-                view, host_view = self.kv_pool.view(shape, m.dtype), self.host_kv.view(shape, m.dtype)
+                host_view = self.host_kv.view(_kv_shape(m.spec, m.dtype), m.dtype)
                 if to_host:
-                    copy_blocks(view, copy.src, host_view, copy.dst)
+                    copy_blocks(m.kv, copy.src, host_view, copy.dst)
                 else:
-                    copy_blocks(host_view, copy.src, view, copy.dst)
+                    copy_blocks(host_view, copy.src, m.kv, copy.dst)
 
     def follow(self, step: TPStep) -> None:
         """A tensor-parallel member's share of its leader's step (see TPStep); the forward's
