@@ -125,6 +125,17 @@ class TokenmuxExtension(BaseModel):
     worker_id: str | None = None
 
 
+class ResponseEnvelope(BaseModel):
+    """What every completion response and chunk carries beside its choices."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
+    tokenmux: TokenmuxExtension | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -132,15 +143,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
-    tokenmux: TokenmuxExtension | None = None
 
 
 class ChatResponseMessage(BaseModel):
@@ -155,15 +160,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
-    tokenmux: TokenmuxExtension | None = None
 
 
 class ChatDelta(BaseModel):
@@ -178,15 +177,9 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ResponseEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None   # the model version that served it (the live catalog's name@vN)
-    tokenmux: TokenmuxExtension | None = None
 
 
 class ModelCard(BaseModel):
