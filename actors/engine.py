@@ -111,6 +111,7 @@ class LoadedModel:
     dtype: torch.dtype
     kv: torch.Tensor   # the KV pool viewed as this model's blocks (the pool never moves)
     members: object = None   # a tensor-parallel leader's TPMembers (actors/tp_member.py); None otherwise
+    tp_size: int = 1         # ranks of its tensor-parallel group (1: a single-device model)
 
 
 class Engine:
@@ -194,7 +195,7 @@ class Engine:
         runner = ModelRunner(spec, self.device, self.kernels, cuda_graphs=self.kernel_path.cuda_graphs and not group,
                              all_reduce=group.all_reduce if shard.size > 1 else None)
         self.models[name] = LoadedModel(name, spec, layout, runner, tokenizer, dtype,
-                                        self.kv_pool.view(kv_shape, dtype), members)
+                                        self.kv_pool.view(kv_shape, dtype), members, shard.size)
         if members is not None:
             self._led.add(name)
         if shard.size > 1:
@@ -236,6 +237,15 @@ class Engine:
         self._tp_models.discard(name)
         del self.models[name]
         logger.info("unregistered %s%s", name, " (host cache evicted)" if evict_host else "")
+
+    def kv_layout(self, name: str) -> tuple[int, int, int, int]:
+        """(ranks, KV heads per rank, layers, head dim) of `name`'s KV here: what a handed-off KV must match."""
+        m = self._model(name)
+        return m.tp_size, m.spec.num_kv_heads, m.spec.num_layers, m.spec.head_dim
+
+    def members_of(self, name: str):
+        """The TPMembers of `name`'s group when this engine leads it; None otherwise."""
+        return self._model(name).members
 
     def tp_models(self) -> list[str]:
         """The tensor-parallel models registered here (led or followed)."""
@@ -533,21 +543,21 @@ class Engine:
     def detach(self, request_id: str) -> tuple[HandoffState, KVBlocks] | None:
         """Take a RUNNING request out of scheduling, its KV blocks held for export: returns its
         state and the blocks of its computed tokens. None when it has no KV on the device now
-        (queued, swapped out, finished) or when its model is tensor-parallel (its KV is split
-        over the group: no handoff of it is done). Follow with end_detach."""
+        (queued, swapped out, finished). For a tensor-parallel model led here the blocks are this
+        rank's shard; the members hold theirs under the same ids (actors/tp_handoff.py), until
+        end_detach frees the ids here. Follow with end_detach."""
         self._hold_after_prefill.discard(request_id)   # decided now, held or not
         if request_id in self._held:   # held after its prefill (add_request(hold_after_prefill=True))
             request, assembler = self._held[request_id]
         else:
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens \
-                    or self.models[request.model].members is not None:
+            if request is None or request.status is not RequestStatus.RUNNING or not request.num_computed_tokens:
                 return None
             assembler = self._take_out(request)
         n = request.num_computed_tokens
         state = HandoffState.continuing(request.to_generate_request(), request.output_token_ids, request.token_times,
                                         assembler.num_sent_chars, num_computed_tokens=n)
-        return state, self._kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
+        return state, self.kv_blocks(request.model, request.block_ids[:blocks_for_tokens(n)])
 
     def _take_out(self, request: Request) -> OutputAssembler:
         self.policy.detach_request(request.request_id)
@@ -572,7 +582,9 @@ class Engine:
 
     def adopt(self, state: HandoffState, fill: Callable[[KVBlocks], None] | None = None) -> bool:
         """Continue a request another worker started: its output so far, and the KV of its first
-        state.num_computed_tokens tokens, which `fill(blocks)` writes into blocks allocated here.
+        state.num_computed_tokens tokens, which `fill(blocks)` writes into blocks allocated here
+        (for a tensor-parallel model led here: this rank's shard; `fill` has the members fill
+        theirs, the same block ids, actors/tp_handoff.py).
 
         True: the KV was adopted and the request decodes on. False (no room, no fill, or fill
         raised): it is queued to recompute prompt + output in one prefill; nothing is lost.
@@ -601,7 +613,7 @@ class Engine:
         ids = self.blocks.allocate(shape, blocks_for_tokens(n)) if fill is not None and n else None
         if ids is not None:
             try:
-                fill(self._kv_blocks(req.model, ids))
+                fill(self.kv_blocks(req.model, ids))
                 self.policy.adopt_request(request, ids, n)
                 return True
             except Exception as exc:   # KVTransferError, a dead sender, a layout mismatch: recompute
@@ -614,10 +626,9 @@ class Engine:
             raise
         return False
 
-    def _kv_blocks(self, model: str, block_ids: list[int]) -> KVBlocks:
-        m = self.models[model]
-        if m.members is not None:   # adopt falls back to recomputing the prefix
-            raise ValueError(f"KV handoff of tensor-parallel model {model!r} is not supported")
+    def kv_blocks(self, model: str, block_ids) -> KVBlocks:
+        """Blocks `block_ids` of `model`'s KV in this pool (a tensor-parallel model: this rank's shard)."""
+        m = self._model(model)
         return KVBlocks(self.kv_pool.view(_kv_shape(m.spec, m.dtype), m.dtype), tuple(block_ids))
 
     def _forget(self, request_id: str) -> None:

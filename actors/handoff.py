@@ -48,6 +48,7 @@ from typing import Any, AsyncIterator, Callable
 
 from actors.frame_stream import FrameBuffer
 from actors.kv_transfer import KVDescriptor, KVTransfers
+from actors.tp_handoff import GroupKVDescriptor, layout_mismatch
 from scheduler.messages import DecodeTarget, GenerateRequest, HandoffCounts, HandoffState, OutputFrame
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,15 @@ ACK_TIMEOUT_S = 60.0
 
 
 class KVHandoff:
-    """The engine-thread half: detach + export on the sender, adopt on the receiver."""
+    """The engine-thread half: detach + export on the sender, adopt on the receiver.
+
+    A tensor-parallel model led here moves as a GroupKVDescriptor (actors/tp_handoff.py): this
+    rank's shard through this worker's transfers, each member's through its own."""
 
     def __init__(self, engine, transfers: KVTransfers):
         self.engine = engine
         self.transfers = transfers
-        self.exports: dict[str, KVDescriptor] = {}   # exported, waiting for the receiver's ack
+        self.exports: dict[str, KVDescriptor | GroupKVDescriptor] = {}   # exported, waiting for the receiver's ack
         self.num_handed_off = 0
         self.num_adopted = 0
         self.num_recomputed = 0
@@ -71,16 +75,24 @@ class KVHandoff:
 
     # ---- sender ------------------------------------------------------------------------
 
-    def detach_and_export(self, request_id: str, dst_node_id: str) -> tuple[HandoffState, KVDescriptor] | None:
+    def detach_and_export(self, request_id: str,
+                          dst_node_id: str) -> tuple[HandoffState, KVDescriptor | GroupKVDescriptor] | None:
         """Detach the request and export its KV; None when it cannot be (it then stays here)."""
         detached = self.engine.detach(request_id)
         if detached is None:
             return None
         state, blocks = detached
+        model, n = state.request.model, state.num_computed_tokens
+        desc = None
         try:
-            desc = self.transfers.export(request_id, state.request.model, blocks, state.num_computed_tokens,
-                                         dst_node_id)
-        except Exception as exc:   # KVTransferError, object store full, ...: keep it here
+            desc = self.transfers.export(request_id, model, blocks, n, dst_node_id)
+            members = self.engine.members_of(model)
+            if members is not None:   # each member exports its shard of the same blocks
+                desc = GroupKVDescriptor((desc, *members.export_shards(request_id, model, blocks.block_ids, n,
+                                                                       dst_node_id)))
+        except Exception as exc:   # KVTransferError, object store full, a member gone, ...: keep it here
+            if isinstance(desc, KVDescriptor):
+                self.transfers.release(desc)
             logger.warning("handoff of %s: export failed (%s); continuing locally", request_id, exc)
             self.engine.end_detach(request_id, handed_off=False)
             return None
@@ -99,25 +111,48 @@ class KVHandoff:
         if desc is None:
             return
         try:
-            self.transfers.release(desc)
+            self._release(desc)
         finally:
             self.engine.metrics.handoff_finished(request_id, desc.model, desc.nbytes, handed_off)
             self.engine.end_detach(request_id, handed_off)
             self.num_handed_off += handed_off
 
+    def _release(self, desc: KVDescriptor | GroupKVDescriptor) -> None:
+        if isinstance(desc, GroupKVDescriptor):
+            try:
+                self.transfers.release(desc.shards[0])
+            finally:
+                self.engine.members_of(desc.model).release_shards(desc.shards[1:])
+        else:
+            self.transfers.release(desc)
+
     # ---- receiver ----------------------------------------------------------------------
 
-    def adopt(self, state: HandoffState, desc: KVDescriptor | None) -> bool:
-        """Queue the request on this engine with its KV (True) or for recompute (False)."""
+    def adopt(self, state: HandoffState, desc: KVDescriptor | GroupKVDescriptor | None) -> bool:
+        """Queue the request on this engine with its KV (True) or for recompute (False): a KV
+        whose split does not match this engine's model (actors/tp_handoff.py) is refused, with
+        its reason logged, and recomputed."""
         if desc is not None and (desc.model != state.request.model or desc.num_tokens != state.num_computed_tokens):
             raise ValueError(f"descriptor of {desc.request_id!r} does not match the request it came with")
-        fill = None if desc is None else (lambda blocks: self.transfers.import_(desc, blocks))
+        if desc is not None:
+            refused = layout_mismatch(desc, *self.engine.kv_layout(desc.model))
+            if refused is not None:
+                logger.warning("KV handoff refused, recomputing the prefix: %s", refused)
+                desc = None
+        fill = None if desc is None else (lambda blocks: self._import(desc, blocks))
         adopted = self.engine.adopt(state, fill)
         if adopted:
             self.num_adopted += 1
         else:
             self.num_recomputed += 1
         return adopted
+
+    def _import(self, desc: KVDescriptor | GroupKVDescriptor, blocks) -> None:
+        if not isinstance(desc, GroupKVDescriptor):
+            self.transfers.import_(desc, blocks)
+            return
+        self.transfers.import_(desc.shards[0], blocks)   # this rank's; the members theirs, into the same ids
+        self.engine.members_of(desc.model).import_shards(desc.shards[1:], blocks.block_ids)
 
 
 class HandoffRelay:

@@ -32,7 +32,26 @@ class TPMembers:
 
     def wait(self, sent: list) -> None:
         """Until every member has run its step (raises a member's error; GroupLost when one is gone)."""
+        self._all(sent)
+
+    # ---- a KV handoff of the group's model (actors/tp_handoff.py): each member its own shard ----
+
+    def export_shards(self, request_id: str, model: str, block_ids: tuple[int, ...], num_tokens: int,
+                      dst_node_id: str) -> list:
+        """Each member's KVDescriptor of its shard of these blocks, in rank order (1..N-1)."""
+        return self._all([h.export_kv_shard.remote(request_id, model, tuple(block_ids), num_tokens, dst_node_id)
+                          for h in self.handles])
+
+    def import_shards(self, shards, block_ids: tuple[int, ...]) -> None:
+        """Member r copies shards[r - 1] into its blocks `block_ids` (the ids its leader allocated)."""
+        self._all([h.import_kv_shard.remote(s, tuple(block_ids)) for h, s in zip(self.handles, shards, strict=True)])
+
+    def release_shards(self, shards) -> None:
+        """The receiver has every shard (or gave up): each member frees what its export kept alive."""
+        self._all([h.release_kv_shard.remote(s) for h, s in zip(self.handles, shards, strict=True)])
+
+    def _all(self, refs: list) -> list:
         try:
-            ray.get(sent)
+            return ray.get(refs)
         except RayActorError as exc:
             raise GroupLost(f"a member of the tensor-parallel group is gone: {str(exc).splitlines()[0]}") from exc

@@ -36,6 +36,7 @@ from actors.heap import freeze_heap
 from actors.kv_transfer import KVDescriptor, KVTransfers
 from actors.tensor_parallel import TPShard
 from actors.tp_group import TPGroup, TPStep, free_address
+from actors.tp_handoff import GroupKVDescriptor
 from actors.tp_member import TPMembers
 from actors.worker_metrics import WorkerMetrics
 from actors.worker_reports import StepRecord, WorkerHealth, WorkerTelemetry
@@ -269,6 +270,24 @@ class DeviceWorker:
         """Run the group leader's step on this rank's part (between this engine's own steps)."""
         await self._on_engine(self.engine.follow, step)
 
+    async def export_kv_shard(self, request_id: str, model: str, block_ids: tuple[int, ...], num_tokens: int,
+                              dst_node_id: str) -> KVDescriptor:
+        """A member's part of its leader's KV handoff (actors/tp_handoff.py): export this rank's
+        shard of the leader's blocks `block_ids`; they stay unchanged until `release_kv_shard`
+        (the leader holds the ids until then)."""
+        def export() -> KVDescriptor:
+            return self.transfers.export(request_id, model, self.engine.kv_blocks(model, block_ids), num_tokens,
+                                         dst_node_id)
+        return await self._on_engine(export)
+
+    async def import_kv_shard(self, desc: KVDescriptor, block_ids: tuple[int, ...]) -> None:
+        """A member's part of its leader's adopt: copy this rank's shard into the leader's new blocks."""
+        await self._on_engine(lambda: self.transfers.import_(desc, self.engine.kv_blocks(desc.model, block_ids)))
+
+    async def release_kv_shard(self, desc: KVDescriptor) -> None:
+        """The receiving group has this rank's shard (or gave up): free what its export kept alive."""
+        await self._on_engine(self.transfers.release, desc)
+
     async def unregister_model(self, name: str, evict_host: bool = False) -> None:
         """Free the model's slot, KV view and host-cache mapping here (`evict_host`: the node's
         cache file too, for a model leaving the catalog); refused while it has requests here."""
@@ -318,7 +337,8 @@ class DeviceWorker:
                 if target is not None:
                     target.cancel()   # it ended before its first frame was out: no handoff
 
-    async def adopt_prefilled(self, state: HandoffState, desc: KVDescriptor | None = None) -> HandoffAck:
+    async def adopt_prefilled(self, state: HandoffState,
+                              desc: KVDescriptor | GroupKVDescriptor | None = None) -> HandoffAck:
         """The decode side of a KV handoff: adopt the request with its KV (the descriptor rides on
         this call) and answer at once; its frames go to `generate_prefilled`, which the sender
         opens when this answers."""

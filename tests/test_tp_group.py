@@ -89,11 +89,12 @@ def _config(path, extra_slot_paths=(), kv_blocks: int = 16) -> EngineConfig:
                         slab_bytes=slab, host_kv_bytes=slab * 64, kernels="reference", detokenize=False)
 
 
-def _group(ray, config: EngineConfig, name: str, path) -> list:
-    """Two DeviceWorkers (virtual devices) that hold `name` split between them; [leader, member]."""
+def _group(ray, config: EngineConfig, name: str, path, prefix: str = "tp") -> list:
+    """Two DeviceWorkers (virtual devices) that hold `name` split between them; [leader, member],
+    named prefix0 and prefix1."""
     from actors.worker import DeviceWorker
 
-    workers = [ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"tp{r}", config, num_threads=1)
+    workers = [ray.remote(num_gpus=1, num_cpus=0)(DeviceWorker).remote(f"{prefix}{r}", config, num_threads=1)
                for r in range(2)]
     ray.get([w.ready.remote() for w in workers])
     address = free_address()
