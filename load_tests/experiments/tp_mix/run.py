@@ -249,13 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bursts", type=int, default=Load.bursts)
     parser.add_argument("--burst", type=int, default=Load.burst)
     args = parser.parse_args(argv)
+    origin = provenance()   # at the start: the tree and the host's load the run began with
     ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     try:
         result = run(ray, list(range(args.seeds)), Load(bursts=args.bursts, burst=args.burst))
     finally:
         ray.shutdown()
-    result["provenance"] = provenance()
+    result["provenance"] = origin
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))
