@@ -18,6 +18,7 @@ Blocking calls (`ray.get`): run it off an event loop (the Serve app does, in a t
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -29,6 +30,7 @@ from cluster.catalog_store import CatalogStore
 from cluster.placement_service import REGISTRATION_FAILED
 from scheduler.catalog import CatalogEntry, CatalogError, ModelCatalog, check_name, serving_key
 from scheduler.slo import SLO
+from scheduler.tp_groups import device_share
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,10 @@ class LiveCatalog:
 
     # ---- changes ---------------------------------------------------------------------------
 
-    def add(self, name: str, path: str, ttft_s: float | None = None, tbt_s: float | None = None) -> CatalogEntry:
+    def add(self, name: str, path: str, ttft_s: float | None = None, tbt_s: float | None = None,
+            tensor_parallel: int = 1) -> CatalogEntry:
+        """Serve `name` from the checkpoint at `path`; tensor_parallel > 1: over a group of that
+        many devices of one node (placement gives it the group, the topology forms it)."""
         with self._lock:
             catalog = self.catalog()
             check_name(name)
@@ -67,8 +72,8 @@ class LiveCatalog:
                 raise CatalogError(f"model {name!r} is already served (version {catalog.entries[name].version}); "
                                    f"update it instead", "name", 409)
             version = _free_version(catalog, name, 1)
-            entry = CatalogEntry(name, str(path), version, ttft_s, tbt_s)
-            self._check_checkpoint(entry.path)
+            entry = CatalogEntry(name, str(path), version, ttft_s, tbt_s, tensor_parallel)
+            self._check_checkpoint(entry.path, entry.tensor_parallel)
             workers = self._place(entry)
             catalog = self.catalog().with_entry(entry, "add").logged("placed", entry.key, ", ".join(workers))
             self._save(catalog, "add")
@@ -81,7 +86,7 @@ class LiveCatalog:
             catalog = self.catalog()
             old = catalog.entry(check_name(name))
             entry = dataclasses.replace(old, path=str(path), version=_free_version(catalog, name, old.version + 1))
-            self._check_checkpoint(entry.path)
+            self._check_checkpoint(entry.path, entry.tensor_parallel)
             workers = self._place(entry)
             catalog = self.catalog().with_entry(entry, "update").logged("placed", entry.key, ", ".join(workers))
             self._save(catalog, "update")
@@ -138,26 +143,42 @@ class LiveCatalog:
 
     # ---- steps -------------------------------------------------------------------------------
 
-    def _check_checkpoint(self, path: str) -> None:
-        """The checkpoint must read, be of a supported architecture and fit some device's slot."""
+    def _check_checkpoint(self, path: str, tensor_parallel: int = 1) -> None:
+        """The checkpoint must read, be of a supported architecture, split `tensor_parallel` ways
+        over the devices of one node, and its share fit some device's slot."""
         from actors.model_spec import CheckpointError, ModelSpec
+        from actors.tensor_parallel import TPShard
 
         try:
             spec = ModelSpec.from_dir(path)
         except (CheckpointError, ValueError, OSError) as exc:
             raise CatalogError(f"path: {exc}", "path") from None
         status = self._call(self.topology.router.status.remote())
-        slots = [v.slot_bytes for v in status.workers.values() if v.alive and v.slot_bytes]
-        if slots and spec.weight_bytes > max(slots):
-            raise CatalogError(f"path: the weights of {path} take {spec.weight_bytes} bytes, more than any "
-                               f"device's weight slot ({max(slots)} bytes)", "path", 422)
+        live = [v for v in status.workers.values() if v.alive]
+        if tensor_parallel > 1:
+            per_node = collections.Counter(v.node_id for v in live)
+            most = max(per_node.values(), default=0)
+            if tensor_parallel > most:
+                raise CatalogError(f"tensor_parallel {tensor_parallel} needs that many devices on one node; the "
+                                   f"most a node has live is {most}", "tensor_parallel", 422)
+            try:
+                TPShard(0, tensor_parallel).check(spec)
+            except ValueError as exc:
+                raise CatalogError(f"tensor_parallel: {exc}", "tensor_parallel", 422) from None
+        slots = [v.slot_bytes for v in live if v.slot_bytes]
+        share = device_share(spec.weight_bytes, tensor_parallel)
+        if slots and share > max(slots):
+            raise CatalogError(f"path: the weights of {path} take {share} bytes per device (tensor_parallel "
+                               f"{tensor_parallel}), more than any device's weight slot ({max(slots)} bytes)",
+                               "path", 422)
 
     def _place(self, entry: CatalogEntry) -> list[str]:
         """Place the entry's key and wait until a live worker has it registered and the router
         routes it; withdrawn again (CatalogError) when it cannot be."""
         slo = SLO(entry.ttft_s or self.default_slo.ttft_s, entry.tbt_s or self.default_slo.tbt_s)
         known = set(self._call(self.topology.router.worker_handles.remote()))
-        plan = self._call(self.topology.placement.add_model.remote(entry.key, entry.path, slo))
+        source = {"path": entry.path, "tensor_parallel": entry.tensor_parallel}
+        plan = self._call(self.topology.placement.add_model.remote(entry.key, source, slo))
         why = plan.unplaceable.get(entry.key)
         deadline = time.monotonic() + READY_TIMEOUT_S
         # a worker that died while it loaded the model fails its registration: the next plans place

@@ -121,12 +121,13 @@ class PlacementService:
         if catalog is None:
             return
         placed = catalog.placed()
+        degrees = {**self._tensor_parallel, **{e.key: e.tensor_parallel for e in catalog.entries.values()}}
         default = next(iter(self._slos.values()), None)
         self._paths = {k: p for k, p in self._paths.items() if k in placed}
         self._infos = {k: i for k, i in self._infos.items() if k in placed}
         for key, path in placed.items():
             if key not in self._infos:
-                self._paths[key], self._infos[key] = model_entry(key, path, self._tensor_parallel.get(key, 1))
+                self._paths[key], self._infos[key] = model_entry(key, path, degrees.get(key, 1))
         for entry in catalog.entries.values():
             base = self._slos.get(entry.key) or default or SLO()
             self._slos[entry.key] = SLO(entry.ttft_s or base.ttft_s, entry.tbt_s or base.tbt_s)

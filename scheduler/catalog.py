@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from scheduler.tp_groups import check_tensor_parallel
+
 VERSION_SEP = "@v"
 EVENTS_KEPT = 64
 CHANGE_KINDS = ("add", "update", "remove")
@@ -61,6 +63,7 @@ class CatalogEntry:
     version: int = 1
     ttft_s: float | None = None   # the model's SLO (None: the cluster's)
     tbt_s: float | None = None
+    tensor_parallel: int = 1      # devices of the model's group on one node (1: a single device)
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -73,6 +76,10 @@ class CatalogEntry:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < 3600):
                 raise CatalogError(f"{name} must be a number of seconds in (0, 3600), got {value!r}", name)
+        try:
+            check_tensor_parallel(self.tensor_parallel, model=self.name)
+        except ValueError as exc:
+            raise CatalogError(str(exc), "tensor_parallel") from None
 
     @property
     def key(self) -> str:
@@ -84,11 +91,13 @@ class CatalogEntry:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "path": self.path, "version": self.version, "key": self.key,
-                "fingerprint": self.fingerprint, "ttft_s": self.ttft_s, "tbt_s": self.tbt_s}
+                "fingerprint": self.fingerprint, "ttft_s": self.ttft_s, "tbt_s": self.tbt_s,
+                "tensor_parallel": self.tensor_parallel}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "CatalogEntry":
-        return cls(d["name"], d["path"], int(d.get("version", 1)), d.get("ttft_s"), d.get("tbt_s"))
+        return cls(d["name"], d["path"], int(d.get("version", 1)), d.get("ttft_s"), d.get("tbt_s"),
+                   int(d.get("tensor_parallel", 1)))   # a catalog stored before the field: 1
 
 
 @dataclass(frozen=True)

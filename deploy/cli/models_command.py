@@ -36,7 +36,8 @@ def configure_models(parser: argparse.ArgumentParser) -> None:
     add.add_argument("path", help="local checkpoint directory (on every node)")
     add.add_argument("--slo-ttft", type=float, help="TTFT SLO in seconds (default: the app's)")
     add.add_argument("--slo-tpot", type=float, help="TPOT SLO in seconds (default: the app's)")
-    add.add_argument("--tensor-parallel", type=int, default=1, help="devices per replica (only 1 is supported yet)")
+    add.add_argument("--tensor-parallel", type=int, default=1,
+                     help="devices of one node the model is split over (default 1)")
     update = sub.add_parser("update", help="switch a model to new weights with no gap")
     update.add_argument("name")
     update.add_argument("path")
@@ -54,10 +55,6 @@ def configure_models(parser: argparse.ArgumentParser) -> None:
 
 
 def run_models(ns: argparse.Namespace) -> int:
-    if ns.models_command == "add" and ns.tensor_parallel != 1:
-        print(f"tokenmux: error: --tensor-parallel {ns.tensor_parallel} is not supported yet (only 1)",
-              file=sys.stderr)
-        return 2
     backend = HTTPCatalog(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)) if ns.url else RayCatalog(ns)
     try:
         if ns.models_command == "list":
@@ -65,7 +62,8 @@ def run_models(ns: argparse.Namespace) -> int:
             print(json.dumps(catalog, indent=2) if ns.json else format_catalog(catalog))
             return 0
         if ns.models_command == "add":
-            result = backend.change("add", name=ns.name, path=ns.path, ttft_s=ns.slo_ttft, tbt_s=ns.slo_tpot)
+            result = backend.change("add", name=ns.name, path=ns.path, ttft_s=ns.slo_ttft, tbt_s=ns.slo_tpot,
+                                    tensor_parallel=ns.tensor_parallel)
         elif ns.models_command == "update":
             result = backend.change("update", name=ns.name, path=ns.path)
         else:
@@ -100,7 +98,8 @@ class HTTPCatalog:
 
         if op == "add":
             body = {"name": kwargs["name"], "path": kwargs["path"]}
-            body.update({k: v for k, v in (("slo_ttft_s", kwargs["ttft_s"]), ("slo_tpot_s", kwargs["tbt_s"]))
+            body.update({k: v for k, v in (("slo_ttft_s", kwargs["ttft_s"]), ("slo_tpot_s", kwargs["tbt_s"]),
+                                           ("tensor_parallel", kwargs.get("tensor_parallel")))
                          if v is not None})
             return self._answer(self._request("POST", "/admin/models", json=body))
         path = f"/admin/models/{quote(kwargs['name'], safe='')}"

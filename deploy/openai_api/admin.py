@@ -29,7 +29,8 @@ class AddModelRequest(BaseModel):
     path: str = Field(min_length=1, description="local checkpoint directory on every node")
     slo_ttft_s: float | None = Field(None, gt=0, lt=3600, description="TTFT SLO (default: the server's)")
     slo_tpot_s: float | None = Field(None, gt=0, lt=3600, description="TPOT SLO (default: the server's)")
-    tensor_parallel: int = Field(1, ge=1, description="devices per replica; only 1 is supported yet")
+    tensor_parallel: int = Field(1, ge=1, description="devices of one node the model is split over (a power "
+                                                      "of two, at most a node's devices)")
 
 
 class UpdateModelRequest(BaseModel):
@@ -45,6 +46,7 @@ class CatalogModel(BaseModel):
     fingerprint: str
     ttft_s: float | None = None
     tbt_s: float | None = None
+    tensor_parallel: int = 1
 
 
 class RemovedModel(BaseModel):
@@ -103,10 +105,8 @@ def add_admin_routes(app: FastAPI, admin: CatalogAdmin, keyed: bool) -> None:
               responses={**ADMIN_ERRORS, **error_responses(409, 422)})
     async def add_model(body: AddModelRequest, request: Request) -> dict:
         check_caller(request)
-        if body.tensor_parallel > 1:
-            raise OpenAIError(400, f"tensor_parallel {body.tensor_parallel} is not supported yet (only 1)",
-                              param="tensor_parallel", code="unsupported_parameter")
-        return await changed("add", name=body.name, path=body.path, ttft_s=body.slo_ttft_s, tbt_s=body.slo_tpot_s)
+        return await changed("add", name=body.name, path=body.path, ttft_s=body.slo_ttft_s, tbt_s=body.slo_tpot_s,
+                             tensor_parallel=body.tensor_parallel)
 
     @app.put("/admin/models/{name:path}", response_model=CatalogModel, tags=["admin"],
              responses={**ADMIN_ERRORS, **error_responses(422)})
