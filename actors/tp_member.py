@@ -38,9 +38,24 @@ class TPMembers:
 
     def export_shards(self, request_id: str, model: str, block_ids: tuple[int, ...], num_tokens: int,
                       dst_node_id: str) -> list:
-        """Each member's KVDescriptor of its shard of these blocks, in rank order (1..N-1)."""
-        return self._all([h.export_kv_shard.remote(request_id, model, tuple(block_ids), num_tokens, dst_node_id)
-                          for h in self.handles])
+        """Each member's KVDescriptor of its shard of these blocks, in rank order (1..N-1). When
+        one fails, the others' exports are released before its error is raised."""
+        refs = [h.export_kv_shard.remote(request_id, model, tuple(block_ids), num_tokens, dst_node_id)
+                for h in self.handles]
+        exported, failure = [], None
+        for handle, ref in zip(self.handles, refs):
+            try:
+                exported.append((handle, ray.get(ref)))
+            except Exception as exc:   # KVTransferError, a member gone, ...
+                failure = failure or exc
+        if failure is None:
+            return [desc for _, desc in exported]
+        for handle, desc in exported:
+            handle.release_kv_shard.remote(desc)
+        if isinstance(failure, RayActorError):
+            raise GroupLost(f"a member of the tensor-parallel group is gone: {str(failure).splitlines()[0]}") \
+                from failure
+        raise failure
 
     def import_shards(self, shards, block_ids: tuple[int, ...]) -> None:
         """Member r copies shards[r - 1] into its blocks `block_ids` (the ids its leader allocated)."""
