@@ -50,10 +50,13 @@ class BatchLoads:
         does not schedule (scheduler/group_turns.py)."""
         return self.view.groups.loads(now, self.view.estimator.predict_switch)
 
+    def serving_order(self, model: str, now: float) -> list[Request]:
+        """`model`'s waiting requests in the order overload control prefills them (on time first)."""
+        return deadlines.serving_order(self.view.waiting[model], now)
+
     def waiting_load(self, model: str, now: float, requests: Sequence[Request]) -> BatchLoad:
         """`model`'s batch were its waiting `requests` prefilled to start it this round."""
-        return replace(self.load(model, now, extra=requests), waiting=True,
-                       aged=any(deadlines.aged(r, now) for r in requests))
+        return replace(self.load(model, now, extra=requests), waiting=True)
 
     def predict_decode(self, model: str) -> float:
         """`model`'s next decode step, per-step overhead included."""

@@ -9,8 +9,9 @@ due by one of two measures (`SchedulerConfig.slo_measure`):
   arrival + TTFT + k x TBT, so a first token that came early banks its lead for the stream.
 
 Time a stream has banked by running ahead of that is its slack. Overload control
-(scheduler/overload.py) orders batches by it; a request already late goes last, until it is
-`aged` (late by LATE_AGE x its TTFT SLO), when its deadline, the earliest, puts it first again.
+(scheduler/overload.py) orders batches by it; a waiting request already late goes last, behind
+every request still on time, its model's own included (`serving_order`): it has missed its
+TTFT under either measure, so serving it first saves nothing and costs an on-time request.
 
 A turn's end leaves a stream waiting for a gap (the rest of the round) before its next token.
 Two helpers size a turn so that gap does not cost a stream its SLO (docs/design.md, "Turns
@@ -25,12 +26,11 @@ from collections.abc import Iterable
 
 from scheduler.request import Request
 
-# A waiting request already late goes last until it is late by LATE_AGE x its TTFT SLO, then
-# first again (overload.py). At 0.5 the aged ones displaced on-time requests under sustained
-# overload and token-level fell below request-level (fleet simulator, Poisson, TTFT:TPOT = 100,
-# 2x the service rate, 5 seeds: 0.693 against 0.750; 0.773 at 3.0). 3.0 still bounds a late
-# request's wait (tests/test_overload.py: TTFT within ~6x its SLO while a model floods the queue).
-LATE_AGE = 3.0
+# A late waiting request once went back to the front when late by LATE_AGE x its TTFT SLO
+# (3.0; 0.5 before that). Past capacity the queue then held hundreds of such requests, served
+# oldest first, every one late: on the bursty load test at 9.6 req/s (12 models, 1 worker)
+# token-level's goodput was 0.036 against request-level's 0.170, its TTFT p50 8-16 s
+# (docs/benchmarks.md, "Late requests last"). Late ones now wait until no on-time one does.
 STALL_AGE = 0.5  # a lost stream with no token for (1 + STALL_AGE) x its TTFT SLO is aged
 
 
@@ -70,20 +70,23 @@ def lost(request: Request, now: float, step_s: float, per_token: bool = False) -
     return max(slack(request, now, per_token) - step_s, last_slack(request, now, step_s, per_token)) < 0
 
 
-def aged(request: Request, now: float) -> bool:
-    """Waiting and late by LATE_AGE x its TTFT SLO: back in deadline order (first)."""
-    return request.first_token_time is None and \
-        now - request.arrival_time > (1.0 + LATE_AGE) * request.slo.ttft_s
-
-
 def stalled(request: Request, now: float) -> bool:
     """A stream with no token for (1 + STALL_AGE) x its TTFT SLO: a lost batch of such is aged."""
     return bool(request.token_times) and now - request.token_times[-1] > (1.0 + STALL_AGE) * request.slo.ttft_s
 
 
 def goes_last(request: Request, now: float) -> bool:
-    """A waiting request already late, not yet aged: it yields to those still on time."""
-    return slack(request, now) < 0 and not aged(request, now)
+    """A waiting request already late: it yields to every request still on time."""
+    return slack(request, now) < 0
+
+
+def serving_order(queue: Iterable[Request], now: float) -> list[Request]:
+    """A model's waiting requests in the order overload control prefills them: a split prefill
+    first (it holds the blocks of its whole prompt), then those still on time by TTFT deadline,
+    then the late ones, oldest first. FIFO put the on-time arrivals of a model with a backlog
+    behind its late requests, so past capacity none of its requests made its TTFT."""
+    return sorted(queue, key=lambda r: (not r.block_ids, goes_last(r, now),
+                                        r.arrival_time + r.slo.ttft_s))
 
 
 def tokens_left(request: Request) -> int:

@@ -21,11 +21,12 @@ out a round for a request whose first token is due. Two guards keep that from tu
 every stream falling behind together (EDF's domino under overload): a decoding batch with
 less than `guard_s` of slack (two rounds) is never passed by a waiting one, and a waiting
 request whose first token is already late goes last (rushing it saves nothing: its TTFT is
-lost; it still runs once there is room) -- for a while: once it is late by three times its TTFT SLO
-(`aged`, deadlines.LATE_AGE) it goes back into deadline order, where it is first. A lost stream is aged once it
-has gone 1.5x its TTFT SLO without a token (deadlines.STALL_AGE). Without that bound a late
-request waited for the whole overload while admission kept letting in requests that were on
-time (the chaos bench's accepted TTFT p99 was 6-12x the SLO).
+lost under either measure; it still runs once no on-time request waits). It once went back
+to the front when late by 3x its TTFT SLO (`LATE_AGE`), which bounded its wait (the chaos
+bench's accepted TTFT p99) but, past capacity, turned the queue into FCFS over late requests:
+token-level fell below request-level on the load test (deadlines.py). A lost stream is aged
+once it has gone 1.5x its TTFT SLO without a token (deadlines.STALL_AGE): its blocks are held,
+and only finishing it frees them.
 
 Prefill takes device time from the round too. A round of decode time T0 = c0 + sum q_i gives
 batch i q_i / d_i tokens, so its mean TBT is alpha * TBT_i; prefill time P spent inside the
@@ -63,7 +64,7 @@ class BatchLoad:
     waiting: bool = False  # requests not prefilled yet: the batch would start this round
     # decoding, and every request past saving: its mean TPOT misses even at full speed to max_tokens
     lost: bool = False
-    aged: bool = False  # waiting or lost, and late long enough to go back into deadline order
+    aged: bool = False  # lost, and stalled long enough to go back into deadline order
 
     def __post_init__(self) -> None:
         if not self.tbt_slo_s > 0 or not self.step_s > 0:
@@ -132,11 +133,11 @@ def priority(batch: BatchLoad, guard_s: float = 0.0) -> float:
     """Sort key of a batch, smallest first: least slack first, with three exceptions.
     A decoding batch with less than `guard_s` of slack is never passed by a waiting one
     (it could not sit out a round without falling behind its TBT); a waiting batch whose
-    first token is already late, and a decoding batch that is `lost`, go last (rushing them
-    saves no request), until they are `aged` (then their deadline, the earliest, puts them
-    first)."""
+    first token is already late goes last (rushing it saves no request), and so does a
+    decoding batch that is `lost`, until it is `aged` (then its deadline, the earliest, puts
+    it first)."""
     if batch.waiting:
-        return batch.slack_s if batch.slack_s >= 0 or batch.aged else math.inf
+        return batch.slack_s if batch.slack_s >= 0 else math.inf
     if batch.lost and not batch.aged:
         return math.inf
     return -math.inf if batch.slack_s < guard_s else batch.slack_s

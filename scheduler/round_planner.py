@@ -28,6 +28,7 @@ import logging
 import math
 from collections import deque
 
+import scheduler.deadlines as deadlines
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, plan_round, select_round
 from scheduler.policy_view import PolicyView
@@ -123,7 +124,7 @@ class RoundPlanner:
             # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
             # token is due
             due = self.due_models(now)
-            groups = {m: list(p.waiting[m])[: p.config.max_prefill_group]
+            groups = {m: deadlines.serving_order(p.waiting[m], now)[: p.config.max_prefill_group]
                       for m in names if p.waiting[m] and m not in models and m in due}
             prospective = [loads_of.waiting_load(m, now, g) for m, g in groups.items()]
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
@@ -190,15 +191,16 @@ class RoundPlanner:
         waiting = frozenset(m for m, q in p.waiting.items() if q and m not in decoding)
         due = waiting
         if decoding and config.ttft_slack and waiting:
-            groups = self.pending_groups(set(decoding))
+            groups = self.pending_groups(set(decoding), now)
             run_s = config.max_decode_steps * max(self.loads.predict_decode(m) for m in decoding)
             margin = self.decode_s + run_s + self._joined_round_s(groups, now)
             due = frozenset(g.model for g in due_groups(groups, now, margin))
         self._due = (now, due)
         return due
 
-    def pending_groups(self, decoding: set[str]) -> list[PendingGroup]:
-        """The waiting requests of models not decoding, in the groups they would be prefilled in."""
+    def pending_groups(self, decoding: set[str], now: float) -> list[PendingGroup]:
+        """The waiting requests of models not decoding, in the groups they would be prefilled in
+        (on time first, deadlines.serving_order)."""
         p = self.view
         size = p.config.max_prefill_group
         per_token = p.config.per_token
@@ -207,7 +209,7 @@ class RoundPlanner:
             if not queue or model in decoding:
                 continue
             switch = 0.0 if model in p.resident else p.estimator.predict_switch(model)
-            requests = list(queue)
+            requests = deadlines.serving_order(queue, now)
             for i in range(0, len(requests), size):
                 group = requests[i: i + size]
                 prefill = p.estimator.predict_prefill(model, sum(r.num_new_tokens for r in group), len(group))
@@ -222,7 +224,7 @@ class RoundPlanner:
         first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
         size = self.view.config.max_prefill_group
         loads = [self.loads.load(m, now) for m in self.loads.decoding_models()] + self.loads.group_loads(now)
-        loads.append(self.loads.load(first, now, extra=list(self.view.waiting[first])[:size]))
+        loads.append(self.loads.load(first, now, extra=deadlines.serving_order(self.view.waiting[first], now)[:size]))
         return plan_round(loads, self.loads.rule()).decode_s
 
 

@@ -155,8 +155,9 @@ class TokenLevelPolicy(SchedulingPolicy):
             ids = [rid for rid in ids if rid in queued]
             if ids:
                 yield model, self.prefill.within_credit(model, ids)
-        # by TTFT deadline, those already late last until they are aged (see overload.priority)
-        heads = sorted((q[0] for m, q in self.waiting.items() if q and (m in due or self._has_decode_work(m))),
+        # by TTFT deadline, those already late last (see overload.priority)
+        heads = sorted((deadlines.serving_order(q, now)[0] for m, q in self.waiting.items()
+                        if q and (m in due or self._has_decode_work(m))),
                        key=lambda r: (deadlines.goes_last(r, now), self._ttft_key(r)))
         for head in heads:
             members = self.prefill.admissible(head.model, now)

@@ -205,30 +205,50 @@ def test_overload_control_finishes_everything_holds_only_what_does_not_fit_and_n
         assert not gaps or max(gaps) <= 3 * longest_round + 1e-9, (r.request_id, max(gaps))
 
 
-@pytest.mark.parametrize("late_age", [None, math.inf])
-def test_a_late_request_waits_last_only_until_it_is_aged(monkeypatch, late_age):
+def test_past_capacity_late_requests_wait_behind_every_on_time_one():
     """Four long streams fill the device and model a gets a request every 10 ms for 3 s: more
-    than fits. A waiting request that is already late goes last (its TTFT is lost), but only
-    until it is late by half its TTFT SLO; forever (late_age inf, the rule before), every
-    request of a model whose queue head was late waited for the long streams to end (~12 s).
-    The long streams keep their TBT either way."""
-    config = SchedulerConfig()
-    if late_age is not None:   # the rule before: no ageing, and no TTFT slack (which spreads the starts)
-        monkeypatch.setattr(deadlines, "LATE_AGE", late_age)
-        config = SchedulerConfig(ttft_slack=False)
+    than fits. A waiting request already late goes last, behind every request still on time,
+    its own model's too (it has missed its TTFT: serving it first saves nothing). Once late
+    ones went back to the front after 3x their TTFT SLO, and past capacity the queue became
+    FCFS over late requests: none made its TTFT (the load test at 9.6 req/s, issue 42).
+    Here the requests of a that are still on time when room appears are served first, the
+    late ones after the flood, and every request finishes; the long streams keep their TBT."""
     arrivals = [(0.0, _req(f"long{m}", m, 0.0, max_tokens=300)) for m in "cdef"]
     arrivals += [(0.01 * i, _req(f"a{i}", "a", 0.01 * i, max_tokens=5)) for i in range(300)]
     arrivals += [(0.05, _req("late-b", "b", 0.05, max_tokens=5))]
-    engine, _ = _drive(_policy(config), arrivals)
+    engine, _ = _drive(_policy(), arrivals)
     done = {r.request_id: r for out in engine.trace for r in out.requests}
-    ttft = {rid: r.first_token_time - r.arrival_time for rid, r in done.items() if not rid.startswith("long")}
+    assert len(done) == len(arrivals) and all(r.is_finished for r in done.values())
     tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
             for rid, r in done.items() if rid.startswith("long")]
     assert max(tpot) <= 0.05   # the TBT SLO of the long streams
-    if late_age is None:
-        assert max(ttft.values()) <= 2.0, sorted(ttft.values())[-5:]   # TTFT SLO 0.3 s: late, but not starved
-    else:
-        assert ttft["late-b"] > 5.0 and sorted(ttft.values())[len(ttft) // 2] > 5.0
+    flood = [done[f"a{i}"] for i in range(300)]
+    on_time = [r for r in flood if r.first_token_time - r.arrival_time <= r.slo.ttft_s]
+    late = [r for r in flood if r not in on_time]
+    # the on-time ones stay on time: only those that arrived while the long streams took the
+    # device at the start miss (11 of 300 here)
+    assert len(on_time) >= 0.9 * len(flood), len(on_time)
+
+
+arrival_slo = st.tuples(st.floats(0, 5), st.sampled_from([0.1, 0.3, 1.0]), st.booleans())
+
+
+@settings(max_examples=80, deadline=None)
+@given(queue=st.lists(arrival_slo, min_size=1, max_size=12), now=st.floats(0, 6))
+def test_serving_order_puts_a_split_prefill_first_then_on_time_by_deadline_then_late_oldest_first(queue, now):
+    reqs = []
+    for i, (t, ttft, split) in enumerate(queue):
+        r = _req(f"r{i}", "a", t, ttft=ttft)
+        if split:
+            r.block_ids = [i]   # a split prefill holds the blocks of its whole prompt
+        reqs.append(r)
+    order = deadlines.serving_order(reqs, now)
+    assert sorted(r.request_id for r in order) == sorted(r.request_id for r in reqs)
+    kinds = [0 if r.block_ids else 1 if r.arrival_time + r.slo.ttft_s >= now else 2 for r in order]
+    assert kinds == sorted(kinds)   # split first, then on time, then late
+    for kind in (1, 2):
+        due = [r.arrival_time + r.slo.ttft_s for r, k in zip(order, kinds) if k == kind]
+        assert due == sorted(due)   # earliest TTFT deadline first (the late: the latest the most)
 
 
 def test_a_burst_of_long_prompts_is_prefilled_within_the_budget_not_as_one_stalling_group():

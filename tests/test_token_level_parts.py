@@ -73,7 +73,7 @@ def test_a_switch_waits_while_every_waiting_request_can_still_make_its_ttft():
     assert planner.switch_due(0.0)   # nothing decodes: a switch is always due
     _streaming(policy, "a")
     planner.forget_due()
-    assert [g.model for g in planner.pending_groups({"a"})] == ["b"]
+    assert [g.model for g in planner.pending_groups({"a"}, 0.0)] == ["b"]
     assert not planner.switch_due(0.0) and planner.switch_due(9.9)
     policy.add_request(_req("b1", "b", 0.0, ttft=0.01))
     planner.forget_due()
