@@ -88,6 +88,89 @@ def test_a_public_host_needs_an_api_key():
     assert result.returncode == 2 and "--api-key" in _one_error_line(result)
 
 
+# Issue 40: Ctrl-C or SIGTERM ended a serve only after ~50 s. A behaviour floor, not a benchmark.
+STOP_FLOOR_S = 10
+
+
+@pytest.fixture(scope="module")
+def bare_serve(tmp_path_factory):
+    """(process, port, console lines so far, stderr file) of a bare `tokenmux serve` on a free
+    loopback port, serving. One serve (one Ray) for the module's serve tests; the last one ends
+    it with SIGTERM. stderr goes to a file: a pipe nobody reads could fill and stall the serve."""
+    port = free_port()
+    env = _env()
+    env.pop("RAY_AUTH_MODE", None)   # tokenmux's own default (Ray's token auth), not the test session's
+    err_path = tmp_path_factory.mktemp("bare-serve") / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--port", str(port)], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 600   # the first run trains the two models (a few CPU minutes)
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, err_path.read_text()
+            lines.append(line)
+        yield proc, port, lines, err_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_bare_serve_serves_words_on_loopback_only(bare_serve):
+    proc, port, lines, _ = bare_serve
+    assert any(f"http://127.0.0.1:{port}" in line and "llama-prose" in line for line in lines), lines
+    body = {"model": "llama-prose", "messages": [{"role": "user", "content": "Tell me something."}],
+            "max_tokens": 40, "temperature": 0}
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60).json()
+    text = reply["choices"][0]["message"]["content"]
+    assert _words_ratio(text) > 0.95 and len(re.findall(r"[A-Za-z]{3,}", text)) >= 3, text
+    # Ray's servers on loopback; Serve replicas' own gRPC server is hard-coded to [::] by Ray Serve.
+    exposed = [(name, ip) for name, ip in _listening(psutil.Process(proc.pid))
+               if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1") and "ServeRepli" not in name]
+    assert not exposed, exposed
+
+
+@pytest.mark.slow
+def test_a_second_serve_on_a_taken_port_exits_2_and_the_first_keeps_serving(bare_serve):
+    proc, port, _, _ = bare_serve
+    second = _tokenmux_without_ray("serve", "--models", "llama-tiny-a", "--port", str(port))
+    assert second.returncode == 2
+    assert f"port {port} is in use (another tokenmux serve? `tokenmux shutdown`)" in _one_error_line(second)
+    body = {"model": "llama-prose", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    codes = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code
+             for _ in range(6)]
+    assert codes == [200] * 6 and proc.poll() is None
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_and_its_ray_cleanly_within_the_floor(bare_serve):
+    proc, _, lines, err_path = bare_serve
+    tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+    assert RAY_PROCESSES <= {psutil.Process(pid).name() for pid in tree}   # the Ray this serve started, and its workers
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    # every process of the tree ends (a bound for a hang, not a wait: polled)
+    gone = poll_until(lambda: not [pid for pid in tree if _alive(pid)], 120, 0.05)
+    stop_s = time.monotonic() - start
+    assert proc.returncode == 0, err_path.read_text()
+    assert gone, [pid for pid in tree if _alive(pid)]
+    assert stop_s < STOP_FLOOR_S, f"tokenmux serve and its processes took {stop_s:.1f} s to stop"
+    console = "".join(lines) + out + err_path.read_text()
+    for noise in ("SIGTERM received", "Traceback", "INFO", "New http_options", "will not be applied"):
+        assert noise not in console, console
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _words_ratio(text: str) -> float:
     return sum(c.isascii() and (c.isalnum() or c in " .,;:!?'\"-") for c in text) / max(1, len(text))
 
@@ -103,100 +186,3 @@ def _listening(root: psutil.Process) -> list[tuple[str, str]]:
             continue
         out += [(name, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
     return out
-
-
-@pytest.mark.slow
-def test_bare_serve_serves_words_on_loopback_and_stops_cleanly_on_sigterm():
-    port = free_port()
-    env = _env()
-    env.pop("RAY_AUTH_MODE", None)   # tokenmux's own default (Ray's token auth), not the test session's
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--port", str(port)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        deadline = time.monotonic() + 600   # the first run trains the two models (a few CPU minutes)
-        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()
-            lines.append(line)
-        assert any(f"http://127.0.0.1:{port}" in line and "llama-prose" in line for line in lines), lines
-        body = {"model": "llama-prose", "messages": [{"role": "user", "content": "Tell me something."}],
-                "max_tokens": 40, "temperature": 0}
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60).json()
-        text = reply["choices"][0]["message"]["content"]
-        assert _words_ratio(text) > 0.95 and len(re.findall(r"[A-Za-z]{3,}", text)) >= 3, text
-        # Ray's servers on loopback; Serve replicas' own gRPC server is hard-coded to [::] by Ray Serve.
-        exposed = [(name, ip) for name, ip in _listening(psutil.Process(proc.pid))
-                   if ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1") and "ServeRepli" not in name]
-        assert not exposed, exposed
-        tree = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
-    console = "".join(lines) + out + err
-    for noise in ("SIGTERM received", "Traceback", "INFO", "New http_options", "will not be applied"):
-        assert noise not in console, console
-    # every process of the tree ends (a bound for a hang, not a wait: polled)
-    assert poll_until(lambda: not [p for p in tree if _alive(p)], 60, 0.1), [p for p in tree if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-# Issue 40: Ctrl-C or SIGTERM ended a serve only after ~50 s. A behaviour floor, not a benchmark.
-STOP_FLOOR_S = 10
-
-
-@pytest.fixture(scope="module")
-def tiny_serve():
-    """(process, port) of a `tokenmux serve` of one tiny zoo model on a free loopback port, serving."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli.main", "serve", "--models", "llama-tiny-a",
-                             "--port", str(port)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tokenmux serve exited before serving"
-            if "Ctrl-C" in line:
-                break
-        yield proc, port
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.mark.slow
-def test_a_second_serve_on_a_taken_port_exits_2_and_the_first_keeps_serving(tiny_serve):
-    proc, port = tiny_serve
-    second = _tokenmux_without_ray("serve", "--models", "llama-tiny-a", "--port", str(port))
-    assert second.returncode == 2
-    assert f"port {port} is in use (another tokenmux serve? `tokenmux shutdown`)" in _one_error_line(second)
-    body = {"model": "llama-tiny-a", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
-    codes = [httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code
-             for _ in range(6)]
-    assert codes == [200] * 6 and proc.poll() is None
-
-
-@pytest.mark.slow
-def test_sigterm_stops_serve_and_its_ray_within_the_floor(tiny_serve):
-    proc, _ = tiny_serve
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    assert RAY_PROCESSES <= {p.name() for p in tree}   # the Ray this serve started, and its workers
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    gone = poll_until(lambda: not [p for p in tree if _alive(p.pid)], 120, 0.05)
-    stop_s = time.monotonic() - start
-    assert proc.returncode == 0
-    assert gone, [(p.pid, p.name()) for p in tree if _alive(p.pid)]
-    assert stop_s < STOP_FLOOR_S, f"tokenmux serve and its processes took {stop_s:.1f} s to stop"
