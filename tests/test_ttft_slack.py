@@ -164,7 +164,7 @@ def test_admission_keeps_alpha_headroom_only_where_streams_bank_no_reserve():
     """Overload control admits a new batch while the next round's alpha <= admission_alpha:
     headroom under mean TPOT, none under per-token deadlines (the TTFT reserve is the headroom);
     an explicit admission_alpha wins."""
-    assert admission_alpha(SchedulerConfig()) == 0.9
+    assert admission_alpha(SchedulerConfig()) == 0.6
     assert admission_alpha(SchedulerConfig(slo_measure="per_token")) == 1.0
     assert admission_alpha(SchedulerConfig(slo_measure="per_token", admission_alpha=0.8)) == 0.8
     with pytest.raises(ValueError, match="admission_alpha"):

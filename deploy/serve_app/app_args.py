@@ -73,7 +73,7 @@ class SchedulerArgs(BaseModel):
         "the default) or per_token (every token k by arrival + TTFT + k x TBT, Aegaeon's); the token-level "
         "policy plans by it")
     admission_alpha: float | None = Field(None, gt=0, le=1, description="overload control admits a new "
-                                          "batch while the next round's alpha stays <= this (null: 0.9 under "
+                                          "batch while the next round's alpha stays <= this (null: 0.6 under "
                                           "mean_tpot, 1.0 under per_token)")
     smooth_streams: bool | None = Field(None, description="with every model resident and room to spare, run "
                                         "turns in slices round-robin and spread prefill between them: smoother "
