@@ -15,6 +15,7 @@ below sit in that range; the report states the measured times and the factors.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_TBT_FACTOR = 5.0
 DEFAULT_TTFT_FACTOR = 20.0
 MiB = 1 << 20
+QUIET_WAIT_ENV = "TOKENMUX_QUIET_WAIT_S"   # how long wait_for_quiet waits at most (default 30 s)
 
 
 @dataclass(frozen=True)
@@ -130,14 +132,17 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     return times
 
 
-def wait_for_quiet(max_wait_s: float = 30.0, busy_cores: float = 0.5, window_s: float = 1.0) -> float:
-    """Wait (up to max_wait_s) until the host's CPUs were busy less than `busy_cores` cores'
-    worth over a window (psutil's busy time: not idle, not waiting on I/O); returns the last
-    window's busy cores. Step times that define an SLO are measured on a quiet machine: right
-    after Ray starts, its own processes kept a core busy for ~10-20 s here and the same decode
-    step measured 2.3 ms instead of 1.1."""
+def wait_for_quiet(max_wait_s: float | None = None, busy_cores: float = 0.5, window_s: float = 1.0) -> float:
+    """Wait (up to max_wait_s, else $TOKENMUX_QUIET_WAIT_S, else 30 s) until the host's CPUs
+    were busy less than `busy_cores` cores' worth over a window (psutil's busy time: not idle,
+    not waiting on I/O); returns the last window's busy cores. Step times that define an SLO
+    are measured on a quiet machine: right after Ray starts, its own processes kept a core
+    busy for ~10-20 s here and the same decode step measured 2.3 ms instead of 1.1. The test
+    suite, whose runs judge behaviour and never speed, waits 1 s."""
     import psutil
 
+    if max_wait_s is None:
+        max_wait_s = float(os.environ.get(QUIET_WAIT_ENV) or 30.0)
     deadline = time.monotonic() + max_wait_s
     while True:
         cores = psutil.cpu_percent(interval=window_s) / 100.0 * (psutil.cpu_count() or 1)

@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TOKENMUX_QUIET_WAIT_S", "1")   # load tests here judge behaviour, not speed
 
 NUM_VIRTUAL_GPUS = 4
 SHUTDOWN_WAIT_S = 60.0

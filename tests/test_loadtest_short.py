@@ -7,6 +7,7 @@ this proves the harness measures, not how fast anything is.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,15 @@ def test_default_slo_scales_with_the_measured_step_times():
     slower = default_slo(StepTimes("m", 128, 4, 1, prefill_s=0.2, decode_s=0.04, switch_s=0.1),
                          tbt_factor=5, ttft_factor=10)
     assert slower.tbt_s == pytest.approx(2 * slo.tbt_s) and slower.ttft_s == pytest.approx(2 * slo.ttft_s)
+
+
+def test_the_wait_for_a_quiet_machine_is_bounded_by_the_environment(monkeypatch):
+    from load_tests.slo import QUIET_WAIT_ENV, wait_for_quiet
+
+    monkeypatch.setenv(QUIET_WAIT_ENV, "0")
+    start = time.monotonic()
+    assert wait_for_quiet(busy_cores=-1, window_s=0.05) >= 0   # never quiet enough: returns at the bound
+    assert time.monotonic() - start < 5
 
 
 def test_short_preset_grid_doubles_until_token_misses_and_no_further():
