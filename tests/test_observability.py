@@ -120,6 +120,18 @@ def _evidence() -> list[str]:
     return [_series(n) for n in CATALOG if n not in NVML_ONLY] + list(LABELLED) + panels
 
 
+def _targets_up(server: PrometheusServer, timeout_s: float = 20.0) -> list[dict]:
+    """Prometheus's targets once every one is up, or as they are after timeout_s: a scrape
+    every second with a 1 s timeout can miss once on a loaded host (then it reads "down"
+    until the next one); a target never reached stays down and fails the test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        targets = server.targets()
+        if (targets and all(t["health"] == "up" for t in targets)) or time.monotonic() > deadline:
+            return targets
+        time.sleep(0.5)
+
+
 def _wait_for(server: PrometheusServer, exprs: list[str], timeout_s: float = 45.0) -> list[str]:
     """The expressions still without data after timeout_s (Ray exports every second, Prometheus scrapes every second)."""
     deadline = time.monotonic() + timeout_s
@@ -133,7 +145,7 @@ def _wait_for(server: PrometheusServer, exprs: list[str], timeout_s: float = 45.
 
 def test_prometheus_scrapes_ray_through_the_generated_config(observed):
     server, outcomes = observed
-    targets = server.targets()
+    targets = _targets_up(server)
     assert targets and all(t["health"] == "up" for t in targets), targets
     assert all(t["labels"]["instance"].startswith("127.0.0.1:") for t in targets)   # loopback only
     assert outcomes.get("200", 0) >= 20, outcomes
