@@ -50,9 +50,10 @@ class BatchLoads:
         does not schedule (scheduler/group_turns.py)."""
         return self.view.groups.loads(now, self.view.estimator.predict_switch)
 
-    def serving_order(self, model: str, now: float) -> list[Request]:
-        """`model`'s waiting requests in the order overload control prefills them (on time first)."""
-        return deadlines.serving_order(self.view.waiting[model], now)
+    def serving_order(self, model: str, now: float, limit: int | None = None) -> list[Request]:
+        """`model`'s waiting requests in the order overload control prefills them (on time
+        first), the first `limit` of them when given."""
+        return deadlines.serving_order(self.view.waiting[model], now, limit)
 
     def waiting_load(self, model: str, now: float, requests: Sequence[Request]) -> BatchLoad:
         """`model`'s batch were its waiting `requests` prefilled to start it this round."""

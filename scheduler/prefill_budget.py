@@ -61,11 +61,11 @@ class PrefillBudget:
         if not decoding and not loads.decoding(model) and not held:
             # an idle device: nothing to keep on time; the decode that follows earns credit anew
             self.credit_s = 0.0
-            return [r.request_id for r in loads.serving_order(model, now)[: p.config.max_prefill_group]]
+            return [r.request_id for r in loads.serving_order(model, now, p.config.max_prefill_group)]
         others = [loads.load(m, now) for m in decoding]
         rule = loads.rule()
         chosen: list[Request] = []
-        for request in loads.serving_order(model, now)[: p.config.max_prefill_group]:
+        for request in loads.serving_order(model, now, p.config.max_prefill_group):
             trial = chosen + [request]
             prefill_s = p.estimator.predict_prefill(model, sum(r.num_new_tokens for r in trial), len(trial))
             batch = loads.load(model, now, extra=trial)

@@ -28,7 +28,6 @@ import logging
 import math
 from collections import deque
 
-import scheduler.deadlines as deadlines
 from scheduler.batch_loads import BatchLoads
 from scheduler.overload import BatchLoad, RoundPlan, RoundRule, plan_round, select_round
 from scheduler.policy_view import PolicyView
@@ -124,7 +123,7 @@ class RoundPlanner:
             # has banked slack (ran ahead of its TBT) can sit out a round for one whose first
             # token is due
             due = self.due_models(now)
-            groups = {m: deadlines.serving_order(p.waiting[m], now)[: p.config.max_prefill_group]
+            groups = {m: loads_of.serving_order(m, now, p.config.max_prefill_group)
                       for m in names if p.waiting[m] and m not in models and m in due}
             prospective = [loads_of.waiting_load(m, now, g) for m, g in groups.items()]
             # a decoding batch sits out a round for a waiting one only with two rounds of slack
@@ -209,7 +208,7 @@ class RoundPlanner:
             if not queue or model in decoding:
                 continue
             switch = 0.0 if model in p.resident else p.estimator.predict_switch(model)
-            requests = deadlines.serving_order(queue, now)
+            requests = self.loads.serving_order(model, now)
             for i in range(0, len(requests), size):
                 group = requests[i: i + size]
                 prefill = p.estimator.predict_prefill(model, sum(r.num_new_tokens for r in group), len(group))
@@ -224,7 +223,7 @@ class RoundPlanner:
         first = min(groups, key=lambda g: (g.deadline_s, g.model)).model
         size = self.view.config.max_prefill_group
         loads = [self.loads.load(m, now) for m in self.loads.decoding_models()] + self.loads.group_loads(now)
-        loads.append(self.loads.load(first, now, extra=deadlines.serving_order(self.view.waiting[first], now)[:size]))
+        loads.append(self.loads.load(first, now, extra=self.loads.serving_order(first, now, size)))
         return plan_round(loads, self.loads.rule()).decode_s
 
 

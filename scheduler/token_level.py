@@ -156,7 +156,7 @@ class TokenLevelPolicy(SchedulingPolicy):
             if ids:
                 yield model, self.prefill.within_credit(model, ids)
         # by TTFT deadline, those already late last (see overload.priority)
-        heads = sorted((deadlines.serving_order(q, now)[0] for m, q in self.waiting.items()
+        heads = sorted((deadlines.serving_order(q, now, 1)[0] for m, q in self.waiting.items()
                         if q and (m in due or self._has_decode_work(m))),
                        key=lambda r: (deadlines.goes_last(r, now), self._ttft_key(r)))
         for head in heads:
