@@ -32,7 +32,7 @@ prometheus:
 	  fi; }
 
 test: $(STAMP) prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(BIN)/tokenmux bench engine --json bench-engine.json

@@ -104,8 +104,14 @@ def make_workload(args, names: list[str], rate: float, num_requests: int | None,
         from cluster.planner.traces import lengths_from_azure
 
         lengths = lengths_from_azure(AZURE_CONV, **limits)
-    else:
+    elif args.lengths == "lognormal":
         lengths = w.LogNormalLengths(**limits)
+    else:   # a trace file: its (input, output) pairs, resampled
+        if not Path(args.lengths).is_file():
+            raise ValueError(f"--lengths {args.lengths}: not azure, lognormal or a trace file")
+        from cluster.planner.traces import lengths_from_trace
+
+        lengths = lengths_from_trace(args.lengths, **limits)
     return w.generate(arrivals, popularity, names, lengths, seed=args.seed, num_requests=num_requests,
                       duration_s=duration_s)
 

@@ -136,7 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # gives the head model 98.7% of the requests when only 8 models are served.
     p.add_argument("--popularity", choices=("longtail", "zipf", "uniform"), default="zipf")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
-    p.add_argument("--lengths", choices=("azure", "lognormal"), default="azure")
+    p.add_argument("--lengths", default="azure",
+                   help="azure (conv.csv), lognormal, or a trace CSV (Aegaeon, Azure, BurstGPT) whose "
+                        "(input, output) pairs are resampled, scaled and clipped as for azure")
     p.add_argument("--input-scale", type=float, default=0.125)
     p.add_argument("--output-scale", type=float, default=0.25)
     p.add_argument("--max-input", type=int, default=256)

@@ -154,3 +154,30 @@ def test_workload_window_and_speedup():
     assert [r.arrival_s for r in win] == [0.0, 1.0, 2.0, 3.0]
     assert len(w.window(max_requests=3)) == 3
     assert [r.arrival_s for r in w.time_scaled(2.0)][:3] == [0.0, 0.5, 1.0]
+
+
+AEGAEON_16 = Path("/work/shared/data/traces/aegaeon-synth/synth-16-0.5-1.0-1.0.csv")
+
+
+@pytest.mark.skipif(not AEGAEON_16.exists(), reason="shared trace data not present")
+def test_a_load_test_draws_its_lengths_from_any_trace_file():
+    """`tokenmux loadtest --lengths FILE`: a synthetic workload at any rate with the lengths of
+    an Aegaeon trace (ShareGPT-like, mean output 284), scaled and clipped like Azure's."""
+    import argparse
+
+    from load_tests.run_setup import make_workload
+    from load_tests.runner import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--arrival", "poisson", "--popularity", "uniform", "--lengths", str(AEGAEON_16),
+            "--input-scale", "0.5", "--output-scale", "0.5", "--max-input", "1024", "--max-output", "1024"]
+    args = parser.parse_args(argv)
+    names = [f"m{i:02d}" for i in range(16)]
+    workload = make_workload(args, names, rate=50.0, num_requests=2000)
+    outputs = np.array([r.output_len for r in workload])
+    assert len(outputs) == 2000 and len({r.model for r in workload}) == 16
+    assert 120 <= outputs.mean() <= 165          # the file's mean output, 284, halved
+    assert outputs.max() <= 1024
+    with pytest.raises(ValueError, match="not azure, lognormal or a trace file"):
+        make_workload(parser.parse_args(["--lengths", "no/such.csv"]), names, rate=1.0, num_requests=10)

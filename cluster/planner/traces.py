@@ -182,7 +182,17 @@ def read_azure(path: str | Path) -> list[TraceRequest]:
 def lengths_from_azure(path: str | Path, **limits) -> EmpiricalLengths:
     """(input, output) lengths of the Azure LLM inference trace 2023 (code.csv or conv.csv),
     resampled in pairs; `limits` are EmpiricalLengths' scales and clips."""
-    rows = read_azure(path)
+    return _lengths(read_azure(path), limits)
+
+
+def lengths_from_trace(path: str | Path, **limits) -> EmpiricalLengths:
+    """(input, output) lengths of any trace `read_rows` reads (Azure, Aegaeon, BurstGPT),
+    resampled in pairs: a trace's lengths under arrivals of any rate and length of run, where
+    the file itself is too short to replay (Aegaeon's synthetic traces hold 60 s)."""
+    return _lengths(read_rows(path)[1], limits)
+
+
+def _lengths(rows: Sequence[TraceRequest], limits: dict) -> EmpiricalLengths:
     return EmpiricalLengths(pairs=np.array([(r.input_len, r.output_len) for r in rows]), **limits)
 
 
