@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from actors.device_memory import DeviceMemory, format_bytes
+from actors.device_pace import DevicePace
 from actors.engine_metrics import EngineRecorder
 from actors.fault_isolation import GroupLost, describe, run_isolated
 from actors.host_cache import HostWeightCache
@@ -85,9 +86,13 @@ class EngineConfig:
     # token ids only and the caller makes the text (TextAssembler.fill; a DeviceWorker's
     # ingress does, see actors/output_stream.py), stop strings included.
     detokenize: bool = True
+    # > 1: a virtual device this many times slower than the thread that drives it, so more
+    # devices than cores can run at their own pace (actors/device_pace.py); 1: the real one.
+    device_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         check_policy_name(self.policy)
+        DevicePace(self.device_slowdown)   # checks it
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
         if self.kv_bytes < self.slab_bytes:
@@ -131,6 +136,7 @@ class Engine:
         self.policy: SchedulingPolicy = make_policy(config.policy, self.blocks, self.host_blocks, self.estimator,
                                                     config.scheduler)
         self.sampler = Sampler()
+        self.pace = DevicePace(config.device_slowdown)
         choice = resolve_kernels(config.kernels, self.device)
         self.kernels, self.kernel_warning = choice.kernels, choice.warning
         self.kernel_path = KernelPath(self.kernels, self.device.type)
@@ -364,7 +370,8 @@ class Engine:
         run_s, steps = 0.0, 0
         while True:
             run_start = time.perf_counter()
-            sampled, failed = self._run(output)
+            with self.pace.paced():
+                sampled, failed = self._run(output)
             step_s = time.perf_counter() - run_start
             run_s += step_s
             steps += 1
@@ -407,13 +414,20 @@ class Engine:
             if name == output.model or any(copies):
                 members = self.models[name].members
                 pending.append((members, members.send(TPStep(name, *copies))))
-        switch_s = self.slots.ensure_resident(output.model)
+        switch_s = self.make_resident(output.model)
         if output.prefetch_model and output.prefetch_model != output.model and output.prefetch_model in self.models:
             self.slots.prefetch(output.prefetch_model)
         self._swap(output.swap_out, output.swap_in)
         for members, sent in pending:
             members.wait(sent)
         return switch_s
+
+    def make_resident(self, model: str) -> float:
+        """Make `model`'s weights resident in a slot (a switch); returns the seconds it waited,
+        paced on a virtual device like a forward."""
+        with self.pace.paced() as paced:
+            waited_s = self.slots.ensure_resident(model)
+        return waited_s + paced.extra_s
 
     def _copies_of(self, model: str, output: SchedulerOutput) -> tuple[tuple[KVCopy, ...], tuple[KVCopy, ...]]:
         """The swaps (out, in) of `model`'s requests in this step."""

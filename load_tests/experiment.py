@@ -65,6 +65,13 @@ class TraceSpec:
         return out
 
 
+def trace_spec(args) -> TraceSpec:
+    """The trace a load test's arguments name: a file (--trace), else the synthetic arrivals."""
+    return TraceSpec(Path(args.trace).stem if args.trace else (
+        args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
+        args.arrival, args.cv, path=args.trace)
+
+
 @dataclass
 class Experiment:
     deployment: Deployment

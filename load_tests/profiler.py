@@ -47,10 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per point")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (one worker's share of the cores)")
+    p.add_argument("--device-slowdown", type=float, default=1.0, help="profile a paced virtual device this many "
+                   "times slower than its CPU thread (actors/device_pace.py), as `loadtest --device-slowdown`")
 
 
 def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=(16, 32, 64, 128, 256),
-            batches=(1, 2, 4, 8), decode_steps: int = 8, repeats: int = 3, threads: int = 1) -> Path:
+            batches=(1, 2, 4, 8), decode_steps: int = 8, repeats: int = 3, threads: int = 1,
+            device_slowdown: float = 1.0) -> Path:
     import torch
 
     from actors.engine import Engine, EngineConfig
@@ -80,7 +83,8 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
     try:
         engine = Engine(EngineConfig(budget_bytes=kv_bytes + spec.weight_bytes + 8 * MiB, kv_bytes=kv_bytes,
                                      num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0,
-                                     detokenize=False))   # as a DeviceWorker runs (text at the ingress)
+                                     detokenize=False,    # as a DeviceWorker runs (text at the ingress)
+                                     device_slowdown=device_slowdown))
         engine.register_model("a", model_dir)
         engine.register_model("b", model_dir)
         counter = [0]
@@ -109,7 +113,7 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
         switches = []
         for i in range(2 * repeats + 1):
             t0 = time.perf_counter()
-            engine.slots.ensure_resident("ab"[i % 2])
+            engine.make_resident("ab"[i % 2])
             switches.append(time.perf_counter() - t0)
         switch_s = statistics.median(switches[1:])
     finally:
@@ -119,6 +123,7 @@ def profile(model_dir: str, out: str | Path, *, name: str | None = None, inputs=
         "name": name or spec.name, "weight_bytes": spec.weight_bytes,
         "kv_shape": [s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes],
         "max_context": spec.max_position_embeddings, "checkpoint": str(model_dir), "threads": threads,
+        "device_slowdown": device_slowdown,
     }, indent=2) + "\n")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     copy_rate = spec.weight_bytes / max(switch_s, 1e-9)
@@ -146,6 +151,7 @@ def run(args) -> int:
     from load_tests.run_setup import _checkpoint   # zoo name or directory -> directory
 
     path = profile(_checkpoint(args.model), args.out, name=args.name, inputs=args.inputs, batches=args.batches,
-                   decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads)
+                   decode_steps=args.decode_steps, repeats=args.repeats, threads=args.threads,
+                   device_slowdown=args.device_slowdown)
     print(path)
     return 0

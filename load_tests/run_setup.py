@@ -80,6 +80,8 @@ def engine_config(models: dict[str, str], args) -> dict:
     # makes text in serving, off the worker)
     config = {"budget_bytes": budget, "kv_bytes": kv, "num_slots": args.slots,
               "slab_bytes": 4 * MiB, "host_kv_bytes": 128 * MiB, "detokenize": False}
+    if getattr(args, "device_slowdown", 1.0) != 1.0:   # a paced virtual device (actors/device_pace.py)
+        config["device_slowdown"] = float(args.device_slowdown)
     for key in ("device", "dtype"):   # a GPU run (load_tests/published.py --gpu); CPU by default
         if getattr(args, key, None):
             config[key] = getattr(args, key)
@@ -133,7 +135,8 @@ def measured_slo(models: dict[str, str], args, threads: int) -> dict:
     attempts = [ray.get(remote.remote(largest, prompt_len=min(128, args.max_input), batch_size=4,
                                       num_decode_steps=32, num_threads=threads,
                                       device=getattr(args, "device", None) or "cpu",
-                                      dtype=getattr(args, "dtype", None)))
+                                      dtype=getattr(args, "dtype", None),
+                                      device_slowdown=getattr(args, "device_slowdown", 1.0)))
                 for _ in range(SLO_ATTEMPTS)]
     times = min(attempts, key=lambda t: t.decode_s)
     spread = _spread(times.decode_rounds_s)
@@ -165,3 +168,15 @@ def scheduler_overrides(args) -> dict:
     if getattr(args, "no_ttft_slack", False):
         out["ttft_slack"] = False
     return out
+
+
+def run_settings(args):
+    """How each point is driven: sustained (load_tests/sustained.py) unless --burst."""
+    from load_tests.sustained import SustainSpec
+    from load_tests.sweep import RunSettings
+
+    sustain = None if args.burst else SustainSpec(args.sustain_s, args.sustain_requests, args.warmup_s)
+    return RunSettings(max_requests=args.max_requests, duration_s=args.duration,
+                       request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
+                       idle_skip_s=args.idle_skip, sustain=sustain,
+                       **({} if args.settle is None else {"settle_s": args.settle}))

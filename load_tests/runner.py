@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from load_tests.run_setup import (AZURE_CONV, DATA_DIR, engine_config, make_workload, measured_slo,  # re-exported
-                                  scheduler_overrides, served_models)
+                                  run_settings, scheduler_overrides, served_models)
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2, help="devices (DeviceWorkers / replicas) per contender")
     p.add_argument("--sweep", type=_csv(str), default=[],
                    help="comma list of rate,models (default: none); or slo alone: every contender re-run at "
-                        "each SLO shape on the published traces (load_tests/slo_sweep.py)")
+                        "each SLO shape on the published traces (load_tests/slo_sweep.py); or devices alone: "
+                        "the fewest devices each contender needs at --rate (load_tests/device_sweep.py)")
     p.add_argument("--slo-shapes", type=_csv(str),
                    default=["measured", "ttft:tpot=16", "ttft:tpot=100", "x0.5", "x2"],
                    help="--sweep slo: the SLO shapes to run (default all: measured, ttft:tpot=16, "
@@ -145,6 +146,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--model-counts", type=_csv(int), default=[2, 4, 6, 8, 10, 12, 14, 16])
     p.add_argument("--model-rate", type=float, default=0.1, help="models sweep: req/s per model")
+    p.add_argument("--device-counts", type=_csv(int), default=[1, 2, 3, 4, 6, 8],
+                   help="--sweep devices: the device counts to try, ascending")
+    p.add_argument("--device-slowdown", type=float, default=1.0,
+                   help="each worker a virtual device this many times slower than its CPU thread, so more "
+                        "devices than cores run at their own pace (actors/device_pace.py); default 1: none")
     p.add_argument("--threads-per-worker", type=int, help="default: cores // workers")
     p.add_argument("--via", choices=("engine", "http"), default="engine",
                    help="engine: straight to DeviceWorker actors (an ablation); http: token and request each "
@@ -172,6 +178,10 @@ def run(args) -> int:
         from load_tests.slo_sweep import run_from_args
 
         return run_from_args(args)
+    if "devices" in args.sweep:
+        from load_tests.device_sweep import run_from_args as run_devices
+
+        return run_devices(args)
     if args.url:   # the CLI sends --url to load_tests/url_load.py (which builds on this module)
         raise ValueError("--url runs through `tokenmux loadtest` (load_tests.url_load.run_url)")
     if args.via == "http" and set(args.contenders) - {"token", "request"}:
@@ -180,7 +190,7 @@ def run(args) -> int:
     from load_tests.analysis import analyze_trace
     from load_tests.contenders import CONTENDERS, Deployment
     from load_tests.driver import StopSignal
-    from load_tests.experiment import Experiment
+    from load_tests.experiment import Experiment, trace_spec
     from load_tests.search import SearchPlan
     from scheduler.slo import SLO
 
@@ -282,26 +292,6 @@ def write_outputs(args, ex, trace, out: dict, markdown: str) -> int:
         Path(args.json_path).write_text(json.dumps(out, indent=2, default=_jsonable) + "\n")
     print(markdown)
     return 130 if ex.stopped else 0
-
-
-def run_settings(args):
-    """How each point is driven: sustained (load_tests/sustained.py) unless --burst."""
-    from load_tests.sustained import SustainSpec
-    from load_tests.sweep import RunSettings
-
-    sustain = None if args.burst else SustainSpec(args.sustain_s, args.sustain_requests, args.warmup_s)
-    return RunSettings(max_requests=args.max_requests, duration_s=args.duration,
-                       request_timeout_s=args.request_timeout, seed=args.seed, progress=args.progress,
-                       idle_skip_s=args.idle_skip, sustain=sustain,
-                       **({} if args.settle is None else {"settle_s": args.settle}))
-
-
-def trace_spec(args):
-    from load_tests.experiment import TraceSpec
-
-    return TraceSpec(Path(args.trace).stem if args.trace else (
-        args.arrival if args.arrival != "gamma" else f"gamma-cv{args.cv:g}"),
-        args.arrival, args.cv, path=args.trace)
 
 
 def rescore(args) -> int:

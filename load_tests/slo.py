@@ -64,7 +64,8 @@ def default_slo(times: StepTimes, *, tbt_factor: float = DEFAULT_TBT_FACTOR,
 
 def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_size: int = 4,
                        num_decode_steps: int = 16, num_threads: int = 1,
-                       repeats: int = 5, device: str = "cpu", dtype: str | None = None) -> StepTimes:
+                       repeats: int = 5, device: str = "cpu", dtype: str | None = None,
+                       device_slowdown: float = 1.0) -> StepTimes:
     """Run one engine in this process (torch threads = one worker's share) and time its steps.
 
     Prefill: `repeats` single prompts of prompt_len tokens. Decode: `repeats` rounds of a
@@ -94,7 +95,8 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
     try:
         engine = Engine(EngineConfig(device=device, dtype=dtype, budget_bytes=_budget_for(model_path),
                                      kv_bytes=32 * MiB, num_slots=1, slab_bytes=4 * MiB, host_kv_bytes=0,
-                                     detokenize=False))   # as a DeviceWorker runs (text at the ingress)
+                                     detokenize=False,    # as a DeviceWorker runs (text at the ingress)
+                                     device_slowdown=device_slowdown))
         engine.register_model("a", str(model_path))
         engine.register_model("b", str(model_path))
         n = 0
@@ -119,7 +121,7 @@ def measure_step_times(model_path: str | Path, *, prompt_len: int = 128, batch_s
         switches = []
         for i in range(2 * repeats + 1):
             t0 = time.perf_counter()
-            engine.slots.ensure_resident("ab"[i % 2])
+            engine.make_resident("ab"[i % 2])
             switches.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(old_threads)

@@ -76,7 +76,9 @@ def run_url(args) -> int:
     from load_tests.experiment import Experiment
     from load_tests.provenance import provenance
     from load_tests.regime import regime
-    from load_tests.runner import _at_rate, _markdown, run_settings, trace_spec, write_outputs
+    from load_tests.experiment import trace_spec
+    from load_tests.run_setup import run_settings
+    from load_tests.runner import _at_rate, _markdown, write_outputs
     from scheduler.slo import SLO
 
     if args.slo_ttft is None or args.slo_tbt is None:

@@ -138,3 +138,14 @@ def test_requests_logged_in_one_tick_are_spread_over_it(tmp_path):
     assert len(set(times)) == len(times)   # no two requests at one instant
     rows = [TraceRequest(1.0, "m", 1, 1)] * 2 + [TraceRequest(2.0, "m", 1, 1)]
     assert [r.arrival_s for r in spread_ties(rows, 0.1)] == [1.0, 1.05, 2.0]
+
+
+def test_a_workload_written_as_an_aegaeon_trace_reads_back_the_same(tmp_path):
+    from cluster.planner.traces import read_trace, write_aegaeon
+    from cluster.planner.workloads import TraceRequest, Workload
+
+    workload = Workload((TraceRequest(0.0, "m-00", 12, 40), TraceRequest(61.2345, "m-01", 7, 300),
+                         TraceRequest(3725.5, "m-00", 512, 1)))
+    back = read_trace(write_aegaeon(workload, tmp_path / "w.csv"))
+    assert [(round(r.arrival_s, 3), r.model, r.input_len, r.output_len) for r in back] == \
+        [(0.0, "m-00", 12, 40), (61.234, "m-01", 7, 300), (3725.5, "m-00", 512, 1)]

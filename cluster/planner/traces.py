@@ -74,6 +74,19 @@ def _parse_clock(text: str) -> float:
     return h * 3600 + m * 60 + s
 
 
+def write_aegaeon(workload: Sequence[TraceRequest], path: str | Path) -> Path:
+    """A workload as an Aegaeon-format trace (millisecond ticks), so `tokenmux plan --trace`
+    replays exactly what a load test offered."""
+    lines = [",".join(SCHEMAS["aegaeon"])]
+    for r in workload:
+        ms = round(r.arrival_s * 1000)
+        h, rest = divmod(ms, 3_600_000)
+        m, rest = divmod(rest, 60_000)
+        lines.append(f"{h:02d}:{m:02d}:{rest / 1000:06.3f},{r.model},{r.input_len},{r.output_len}")
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)
+
+
 def _parse_datetime(text: str) -> float:
     """'2023-11-16 18:17:03.9799600' -> POSIX seconds (the fraction may have 7 digits)."""
     head, _, frac = text.strip().partition(".")
