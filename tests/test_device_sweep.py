@@ -3,6 +3,8 @@ the threshold, said as a bound where the grid does not bracket it, and token / r
 a paired bootstrap over seeds."""
 from __future__ import annotations
 
+import pytest
+
 from load_tests.device_sweep import device_ratio, fewest_devices, paired_device_ratio
 from load_tests.stats import LOWER_BOUND, MEASURED, UNDEFINED, UPPER_BOUND
 
@@ -38,3 +40,38 @@ def test_the_paired_ratio_uses_each_contenders_own_counts_and_keeps_the_per_seed
     token[2][3] = 0.8
     r = paired_device_ratio(token, request, 0.9, reps=200)
     assert r["per_seed"]["2"]["kind"] == LOWER_BOUND and r["censored_draws"] > 0
+
+
+def test_the_sweep_serves_every_contender_on_paced_devices_and_stops_a_contender_once_it_holds(
+        ray_session, zoo_model, tmp_path):
+    """A light load both hold on one device: the sweep measures that count and no larger one,
+    keeps each count's records, and writes the seed's workload as a trace `tokenmux plan`
+    replays request for request."""
+    import json
+
+    from cluster.planner.traces import read_trace
+    from deploy.cli.main import build_parser
+    from load_tests.records import read_records
+    from load_tests.runner import run
+
+    zoo_model("llama-10m")
+    out = tmp_path / "devices.json"
+    args = build_parser().parse_args([
+        "loadtest", "--sweep", "devices", "--device-counts", "1,2", "--contenders", "token,request",
+        "--models", "3", "--slots", "2", "--arrival", "poisson", "--popularity", "uniform", "--lengths",
+        "lognormal", "--max-input", "32", "--max-output", "8", "--rate", "0.5", "--seeds", "0",
+        "--sustain-s", "3", "--sustain-requests", "1", "--warmup-s", "1", "--request-timeout", "20",
+        "--device-slowdown", "2", "--slo-ttft", "10", "--slo-tbt", "1", "--json", str(out)])
+    assert run(args) == 0
+    data = json.loads(out.read_text())
+    sweep = data["device_sweep"]
+    assert sweep["device_counts"] == [1]   # both held on one device: two were never started
+    assert {f["kind"] for f in sweep["fewest_devices"].values()} == {UPPER_BOUND}
+    assert data["deployment"]["engine"]["device_slowdown"] == 2.0
+    records = read_records(data["records"]["1"])
+    offered = read_trace(data["workload_files"]["0"])
+    for name in ("token", "request"):
+        sent = records.select(name, data["trace"])[0.5][0]
+        assert len(sent) == len(offered) and all(r.error is None for r in sent)
+    with pytest.raises(ValueError, match="runs alone"):
+        run(build_parser().parse_args(["loadtest", "--sweep", "devices,rate", "--rate", "1"]))
