@@ -106,6 +106,7 @@ def run_device_sweep(args, models: dict[str, str], threads: int, slo, settings, 
     """Every contender at every count of args.device_counts (ascending) at args.rate, paired
     seeds; a contender stops at the first count whose mean meets the threshold. Returns the
     per-count summaries, the fewest devices per contender and the token / request ratio."""
+    from cluster.planner.metrics import attainment_key
     from load_tests.analysis import point_summary
     from load_tests.contenders import Deployment
     from load_tests.experiment import Experiment
@@ -127,7 +128,7 @@ def run_device_sweep(args, models: dict[str, str], threads: int, slo, settings, 
             summary = point_summary(ex.records.select(name, trace.name)[rate], slo, rate, settings.sustain)
             row["contenders"][name] = summary
             for s, per in summary["per_seed"].items():
-                curves[name].setdefault(int(s), {})[n] = per[_key(metric)] or 0.0
+                curves[name].setdefault(int(s), {})[n] = per[attainment_key(metric)] or 0.0
             logger.info("%s on %d devices at %g req/s: %s %.3f", name, n, rate, metric, summary[metric]["mean"])
             if summary[metric]["mean"] >= args.threshold:
                 left.remove(name)
@@ -143,12 +144,6 @@ def run_device_sweep(args, models: dict[str, str], threads: int, slo, settings, 
     if "token" in curves and "request" in curves and curves["token"] and curves["request"]:
         out["token_vs_request_devices"] = paired_device_ratio(curves["token"], curves["request"], args.threshold)
     return out, records
-
-
-def _key(metric: str) -> str:
-    from cluster.planner.metrics import MEASURES
-
-    return MEASURES[metric][1]
 
 
 def markdown(out: dict) -> list[str]:
@@ -200,11 +195,9 @@ def run_from_args(args) -> int:
     from load_tests.provenance import provenance
     from load_tests.records import write_records
     from load_tests.regime import describe as describe_regime, regime
-    from load_tests.run_setup import engine_config, measured_slo, served_models
-    from load_tests.experiment import trace_spec
-    from load_tests.run_setup import run_settings
-    from load_tests.experiment import Experiment
     from load_tests.contenders import Deployment
+    from load_tests.experiment import Experiment, trace_spec
+    from load_tests.run_setup import engine_config, measured_slo, run_settings, served_models
     from scheduler.slo import SLO
 
     if args.sweep != ["devices"]:

@@ -73,10 +73,9 @@ def run_url(args) -> int:
     from load_tests.analysis import analyze_trace
     from load_tests.contenders import Deployment, UrlContender
     from load_tests.driver import StopSignal
-    from load_tests.experiment import Experiment
+    from load_tests.experiment import Experiment, trace_spec
     from load_tests.provenance import provenance
     from load_tests.regime import regime
-    from load_tests.experiment import trace_spec
     from load_tests.run_setup import run_settings
     from load_tests.runner import _at_rate, _markdown, write_outputs
     from scheduler.slo import SLO
